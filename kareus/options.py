@@ -1,0 +1,88 @@
+"""The ``options={...}`` of ``torch.compile(..., backend="kareus")``, parsed and checked.
+
+Every key is declared once in ``KareusOptions`` with its accepted values; anything else is
+rejected with one message that names the key, the bad value and what is accepted, before
+any graph is touched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+class KareusOptionError(ValueError):
+    """An option given to the kareus backend is unknown, of the wrong type or out of range."""
+
+
+@dataclass(frozen=True)
+class KareusOptions:
+    lowering: str = dataclasses.field(
+        default="inductor",
+        metadata={
+            "choices": ("inductor", "eager"),
+            "doc": "how each graph is lowered: Inductor code generation, or run op by op",
+        },
+    )
+    explain: bool = dataclasses.field(
+        default=False,
+        metadata={
+            "type": bool,
+            "doc": "print a table of the collectives and partitions of every compiled graph",
+        },
+    )
+
+    @classmethod
+    def from_dict(cls, options: Mapping[str, Any] | None) -> KareusOptions:
+        if options is None:
+            return cls()
+        if isinstance(options, KareusOptions):
+            return options
+        if not isinstance(options, Mapping):
+            raise KareusOptionError(
+                f"kareus options must be a dict, got {type(options).__name__}: {options!r}"
+            )
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(str(k) for k in options if k not in fields)
+        if unknown:
+            raise KareusOptionError(
+                f"unknown kareus option{'s' if len(unknown) > 1 else ''} "
+                f"{', '.join(repr(k) for k in unknown)}; accepted options: "
+                f"{', '.join(sorted(fields))}"
+            )
+        for name, value in options.items():
+            _check(fields[name], value)
+        return cls(**options)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def describe(cls) -> dict[str, str]:
+        """Option name -> what it does and what it accepts (for help texts)."""
+        return {f.name: f"{f.metadata['doc']} ({_accepted(f)})" for f in dataclasses.fields(cls)}
+
+
+def _accepted(f: dataclasses.Field) -> str:
+    if "choices" in f.metadata:
+        return " | ".join(repr(c) for c in f.metadata["choices"])
+    return f.metadata["type"].__name__
+
+
+def _check(f: dataclasses.Field, value: Any) -> None:
+    meta = f.metadata
+    if "choices" in meta:
+        ok = any(value == c and type(value) is type(c) for c in meta["choices"])
+    else:
+        ok = type(value) is meta["type"]
+    if not ok:
+        raise KareusOptionError(
+            f"kareus option {f.name!r}: got {value!r} ({type(value).__name__}); "
+            f"accepted: {_accepted(f)}"
+        )
+
+
+def parse_options(options: Mapping[str, Any] | None) -> KareusOptions:
+    return KareusOptions.from_dict(options)

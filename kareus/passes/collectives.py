@@ -1,0 +1,141 @@
+"""Find the functional collectives of a graph and pair each with its waits.
+
+AOT autograd graphs carry communication as ``_c10d_functional`` ops whose results are
+only usable after a ``wait_tensor``. Everything later (partitioning, nanobatching, cost
+models) reasons about a collective as one record: what it moves, over which group, and
+which nodes issue and complete it.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+_c10d = torch.ops._c10d_functional
+
+# op -> (kind, whether it takes a list of tensors)
+COLLECTIVE_OPS: dict[torch._ops.OpOverload, tuple[str, bool]] = {
+    _c10d.all_reduce.default: ("all_reduce", False),
+    _c10d.all_gather_into_tensor.default: ("all_gather", False),
+    _c10d.reduce_scatter_tensor.default: ("reduce_scatter", False),
+    _c10d.all_to_all_single.default: ("all_to_all", False),
+    _c10d.all_reduce_coalesced.default: ("all_reduce", True),
+    _c10d.all_gather_into_tensor_coalesced.default: ("all_gather", True),
+    _c10d.reduce_scatter_tensor_coalesced.default: ("reduce_scatter", True),
+}
+WAIT_OP = _c10d.wait_tensor.default
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One functional collective and the waits that complete it."""
+
+    index: int
+    kind: str
+    coalesced: bool
+    group_name: str
+    group_size: int | None
+    reduce_op: str | None
+    dtype: torch.dtype
+    shapes: tuple[tuple[int, ...], ...]
+    payload_bytes: int
+    node: torch.fx.Node
+    waits: tuple[torch.fx.Node, ...]
+
+    @property
+    def bytes_per_rank(self) -> int | None:
+        """Bytes each rank sends with a ring algorithm (nccl-tests bus-bandwidth convention).
+
+        ``payload_bytes`` is the nccl-tests "size": the buffer of an all-reduce or
+        all-to-all, the gathered output of an all-gather, the input of a reduce-scatter.
+        """
+        n = self.group_size
+        if n is None:
+            return None
+        factor = 2 * (n - 1) / n if self.kind == "all_reduce" else (n - 1) / n
+        return int(self.payload_bytes * factor)
+
+    @property
+    def name(self) -> str:
+        return self.node.name
+
+
+def find_collectives(graph: torch.fx.Graph) -> list[Collective]:
+    """All collectives of ``graph`` in issue order, each with its wait nodes."""
+    found = []
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in COLLECTIVE_OPS:
+            found.append(_record(len(found), node))
+    return found
+
+
+def _record(index: int, node: torch.fx.Node) -> Collective:
+    kind, coalesced = COLLECTIVE_OPS[node.target]
+    args = _normalized_args(node)
+    inputs = args["inputs"] if coalesced else [args["input"]]
+    vals = [_meta_val(n) for n in inputs]
+    group_name = str(args["group_name"])
+    group_size = args.get("group_size")
+    if group_size is None:
+        group_size = _resolve_group_size(group_name)
+    input_bytes = sum(v.numel() * v.element_size() for v in vals)
+    # nccl-tests size: all-gather is counted on its (group_size x larger) output.
+    payload = input_bytes * group_size if kind == "all_gather" and group_size else input_bytes
+    return Collective(
+        index=index,
+        kind=kind,
+        coalesced=coalesced,
+        group_name=group_name,
+        group_size=group_size,
+        reduce_op=args.get("reduce_op"),
+        dtype=vals[0].dtype,
+        shapes=tuple(tuple(int(d) for d in v.shape) for v in vals),
+        payload_bytes=int(payload),
+        node=node,
+        waits=_waits_of(node),
+    )
+
+
+def _normalized_args(node: torch.fx.Node) -> dict[str, object]:
+    schema = node.target._schema
+    bound = {a.name: v for a, v in zip(schema.arguments, node.args)}
+    bound.update(node.kwargs)
+    return bound
+
+
+def _meta_val(node: torch.fx.Node) -> torch.Tensor:
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        raise ValueError(f"collective input {node.name} has no tensor metadata")
+    return val
+
+
+def _resolve_group_size(group_name: str) -> int | None:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    try:
+        return _resolve_process_group(group_name).size()
+    except RuntimeError:  # not registered in this process, e.g. a graph planned offline
+        return None
+
+
+def _waits_of(node: torch.fx.Node) -> tuple[torch.fx.Node, ...]:
+    """Wait nodes on the collective's result, or on each ``getitem`` of a coalesced result."""
+    waits = []
+    for user in node.users:
+        if user.target is WAIT_OP:
+            waits.append(user)
+        elif user.target is operator.getitem:
+            waits.extend(u for u in user.users if u.target is WAIT_OP)
+    return tuple(waits)
+
+
+def is_collective(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target in COLLECTIVE_OPS
+
+
+def is_wait(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target is WAIT_OP

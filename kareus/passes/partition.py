@@ -1,0 +1,337 @@
+"""Cut a graph at its communication boundaries into segments and partitions.
+
+A *segment* is the compute between two consecutive collectives: every compute node is
+placed in the segment of the first collective that needs it (its deadline), or, if no
+collective needs it (weight gradients, the loss), right after the last wait it depends
+on. A *partition* is one overlap opportunity (DESIGN.md section 2): collective ``C_i``
+together with segment ``S_i``, the compute that produces its input. Once the batch is
+split into nanobatches, ``C_i`` of one nanobatch runs while ``S_i`` of another computes.
+
+Each partition has ordered launch *slots*, the groups of its compute before which the
+other nanobatch's collective may be issued: every matmul, attention or convolution is its
+own slot, runs of memory-bound ops merge into one, and free ops (views, getitem) ride
+along. Its structural *key* hashes the op sequence, shapes, dtypes and the collective,
+so identical partitions of repeated layers share one search.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import math
+import operator
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from kareus.passes.collectives import Collective, is_collective, is_wait
+
+aten = torch.ops.aten
+
+HEAVY_OPS: dict[object, str] = {
+    **dict.fromkeys([aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten._scaled_mm], "matmul"),
+    **dict.fromkeys([aten.convolution, aten.convolution_backward], "convolution"),
+    **dict.fromkeys(
+        [
+            getattr(aten, name)
+            for name in (
+                "_scaled_dot_product_flash_attention",
+                "_scaled_dot_product_flash_attention_backward",
+                "_scaled_dot_product_flash_attention_for_cpu",
+                "_scaled_dot_product_flash_attention_for_cpu_backward",
+                "_scaled_dot_product_efficient_attention",
+                "_scaled_dot_product_efficient_attention_backward",
+                "_scaled_dot_product_cudnn_attention",
+                "_scaled_dot_product_cudnn_attention_backward",
+                "_flash_attention_forward",
+                "_flash_attention_backward",
+                "_efficient_attention_forward",
+                "_efficient_attention_backward",
+            )
+            if hasattr(aten, name)
+        ],
+        "attention",
+    ),
+}
+
+FREE_OPS: frozenset[object] = frozenset(
+    [
+        operator.getitem,
+        *(
+            getattr(aten, name)
+            for name in (
+                "view", "_unsafe_view", "reshape", "permute", "transpose", "t", "expand",
+                "unsqueeze", "squeeze", "slice", "select", "alias", "as_strided", "split",
+                "split_with_sizes", "unbind", "detach", "view_as_real", "view_as_complex",
+            )
+        ),
+    ]
+)
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A group of a partition's compute; a collective may be issued right before it."""
+
+    index: int
+    kind: str  # "memory" | "matmul" | "attention" | "convolution"
+    label: str
+    nodes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Collective ``C_i`` and the compute of segment ``S_i`` in canonical order."""
+
+    index: int
+    collective: Collective
+    nodes: tuple[torch.fx.Node, ...]
+    slots: tuple[Slot, ...]
+    key: str
+
+
+@dataclass(frozen=True)
+class GraphPartitioning:
+    """Segments (one per collective plus the tail after the last wait) and partitions."""
+
+    segments: tuple[tuple[torch.fx.Node, ...], ...]
+    partitions: tuple[Partition, ...]
+    notes: tuple[str, ...]
+
+
+def partition_graph(graph: torch.fx.Graph, collectives: Sequence[Collective]) -> GraphPartitioning:
+    """Segments and partitions of ``graph``; ``notes`` say why a collective got no partition."""
+    segment_of = _assign_segments(graph, collectives)
+    segments: list[list[torch.fx.Node]] = [[] for _ in range(len(collectives) + 1)]
+    for node in graph.nodes:
+        if node in segment_of:
+            segments[segment_of[node]].append(node)
+
+    partitions, notes = [], []
+    for coll, seg in zip(collectives, segments):
+        why_not = _why_no_partition(coll, seg)
+        if why_not:
+            notes.append(f"{coll.name} ({coll.kind}): {why_not}")
+            continue
+        ordered = canonical_order(seg)
+        partitions.append(
+            Partition(
+                index=len(partitions),
+                collective=coll,
+                nodes=tuple(ordered),
+                slots=_slots(ordered),
+                key=structural_key(ordered, coll),
+            )
+        )
+    notes.extend(_in_flight_notes(collectives))
+    return GraphPartitioning(tuple(tuple(s) for s in segments), tuple(partitions), tuple(notes))
+
+
+def _packet(node: torch.fx.Node) -> object:
+    """The op a node calls, with ATen overloads folded into their packet."""
+    return getattr(node.target, "overloadpacket", node.target)
+
+
+def is_free(node: torch.fx.Node) -> bool:
+    return _packet(node) in FREE_OPS
+
+
+def _is_compute(node: torch.fx.Node) -> bool:
+    return node.op in ("call_function", "call_method", "call_module") and not (
+        is_collective(node) or is_wait(node)
+    )
+
+
+def _assign_segments(
+    graph: torch.fx.Graph, collectives: Sequence[Collective]
+) -> dict[torch.fx.Node, int]:
+    """Segment index of every compute node: its deadline, else the level after its last wait."""
+    wait_index = {w: c.index for c in collectives for w in c.waits}
+    coll_index = {c.node: c.index for c in collectives}
+    level: dict[torch.fx.Node, int] = {}
+    for node in graph.nodes:
+        own = wait_index[node] + 1 if node in wait_index else 0
+        level[node] = max([own, *(level[i] for i in node.all_input_nodes)])
+    deadline: dict[torch.fx.Node, float] = {}
+    for node in reversed(graph.nodes):
+        deadline[node] = min(
+            [math.inf, *(coll_index.get(u, deadline[u]) for u in node.users)]
+        )
+    return {
+        n: level[n] if deadline[n] == math.inf else int(deadline[n])
+        for n in graph.nodes
+        if _is_compute(n)
+    }
+
+
+def _why_no_partition(coll: Collective, segment: Sequence[torch.fx.Node]) -> str | None:
+    if not coll.waits:
+        return "its result is never waited on, so it has no completion point to overlap up to"
+    if all(is_free(n) for n in segment):
+        return "no compute produces its input (only graph inputs or views), nothing to overlap"
+    return None
+
+
+def _in_flight_notes(collectives: Sequence[Collective]) -> list[str]:
+    """Collectives issued before the previous one was waited: they already overlap each other."""
+    notes = []
+    order = {n: i for i, n in enumerate(collectives[0].node.graph.nodes)} if collectives else {}
+    for prev, cur in zip(collectives, collectives[1:]):
+        if prev.waits and order[cur.node] < min(order[w] for w in prev.waits):
+            notes.append(
+                f"{cur.name} is issued while {prev.name} is still in flight; "
+                "their partitions are measured as if sequential"
+            )
+    return notes
+
+
+def _slots(segment: Sequence[torch.fx.Node]) -> tuple[Slot, ...]:
+    groups: list[tuple[str, list[torch.fx.Node]]] = []
+    pending: list[torch.fx.Node] = []  # free ops waiting for a group to join
+    for node in segment:
+        kind = HEAVY_OPS.get(_packet(node))
+        if is_free(node):
+            if groups and groups[-1][0] == "memory":
+                groups[-1][1].append(node)
+            else:
+                pending.append(node)
+        elif kind is not None:
+            groups.append((kind, [*pending, node]))
+            pending = []
+        elif groups and groups[-1][0] == "memory":
+            groups[-1][1].append(node)
+        else:
+            groups.append(("memory", [*pending, node]))
+            pending = []
+    if pending and groups:
+        groups[-1][1].extend(pending)
+    return tuple(
+        Slot(i, kind, _slot_label(kind, nodes), tuple(n.name for n in nodes))
+        for i, (kind, nodes) in enumerate(groups)
+    )
+
+
+def _slot_label(kind: str, nodes: Sequence[torch.fx.Node]) -> str:
+    if kind == "memory":
+        return f"mem×{sum(1 for n in nodes if not is_free(n))}"
+    heavy = next(n for n in nodes if _packet(n) in HEAVY_OPS)
+    name = heavy.target.overloadpacket.__name__
+    if kind == "matmul":
+        return name.strip("_")
+    return {"attention": "attn", "convolution": "conv"}[kind] + ("-bwd" if "backward" in name else "")
+
+
+def canonical_order(segment: Sequence[torch.fx.Node]) -> list[torch.fx.Node]:
+    """The segment in an order that depends on its structure alone, not on node order.
+
+    AOT autograd orders the nodes of different layers' backward differently (recomputed
+    ops, saved vs. recomputed weight transposes), so the graph's order cannot be what
+    identical partitions share. This is a topological order that issues ready nodes by
+    depth (ops on the longest path from the partition's inputs; free ops add nothing),
+    then by structural hash: the same for every copy of the same computation, and close
+    to program order (the q, k, v projections of attention come out side by side).
+    """
+    members = set(segment)
+    digest = _node_hashes(segment)
+    depth: dict[torch.fx.Node, int] = {}
+    for node in segment:  # graph order is topological
+        inputs = [depth[i] for i in node.all_input_nodes if i in members]
+        depth[node] = max(inputs, default=0) + (0 if is_free(node) else 1)
+    waiting = {n: sum(1 for i in n.all_input_nodes if i in members) for n in segment}
+    ready = [(depth[n], digest[n], i, n) for i, n in enumerate(segment) if waiting[n] == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        *_, node = heapq.heappop(ready)
+        order.append(node)
+        for user in node.users:
+            if user in members:
+                waiting[user] -= 1
+                if waiting[user] == 0:
+                    heapq.heappush(ready, (depth[user], digest[user], len(order), user))
+    return order
+
+
+def _node_hashes(segment: Sequence[torch.fx.Node]) -> dict[torch.fx.Node, str]:
+    """Merkle hash of every node over its op, constants, output type and inputs' hashes."""
+    members = set(segment)
+    digest: dict[torch.fx.Node, str] = {}
+    for node in segment:  # graph order is topological
+        token = (
+            _ref(node, members, digest.__getitem__)
+            if is_free(node)
+            else _token(node, lambda a: _ref(a, members, digest.__getitem__))
+        )
+        digest[node] = hashlib.sha1(repr(token).encode()).hexdigest()
+    return digest
+
+
+def _ref(
+    arg: torch.fx.Node, members: set[torch.fx.Node], ident: Callable[[torch.fx.Node], object]
+) -> tuple[object, ...]:
+    """How a partition refers to a value: its source and the value's shape and dtype.
+
+    Chains of free ops are looked through: they cost nothing, and AOT autograd saves a
+    transposed weight for one layer and recomputes the transpose for another, which must
+    not split their keys (nor may ``getitem`` indices, which pick each rank's own chunk).
+    The source is ``ident`` of the first non-free member, or "in" for a value computed
+    outside the partition.
+    """
+    node = arg
+    while node in members and is_free(node) and node.all_input_nodes:
+        node = node.all_input_nodes[0]
+    source = ident(node) if node in members and not is_free(node) else "in"
+    return (source, _tensor_sig(arg))
+
+
+def _token(node: torch.fx.Node, ref: Callable[[torch.fx.Node], object]) -> tuple[object, ...]:
+    def describe(arg: object) -> object:
+        if isinstance(arg, torch.fx.Node):
+            return ref(arg)
+        if isinstance(arg, (list, tuple)):
+            return tuple(describe(a) for a in arg)
+        if isinstance(arg, dict):
+            return tuple(sorted((k, describe(v)) for k, v in arg.items()))
+        if isinstance(arg, (int, float)) and not isinstance(arg, bool):
+            # Ranks differ in scalars (a sharded embedding's vocabulary offset) but not in
+            # cost, and every rank must derive the same keys to take the same decisions.
+            return type(arg).__name__
+        return repr(arg)
+
+    return (str(node.target), describe(node.args), describe(node.kwargs), _tensor_sig(node))
+
+
+def structural_key(ordered: Sequence[torch.fx.Node], coll: Collective) -> str:
+    """Hash of the op sequence, argument structure, shapes and dtypes, and the collective.
+
+    ``ordered`` is the canonical order of the partition's compute. Node names and free
+    ops are left out, so the same computation in another layer hashes the same; values
+    produced outside the partition are described by their shape and dtype only.
+    """
+    members = set(ordered)
+    work = [n for n in ordered if not is_free(n)]
+    local = {n: i for i, n in enumerate(work)}
+
+    def ref(arg: torch.fx.Node) -> object:
+        return _ref(arg, members, local.__getitem__)
+
+    parts: list[object] = [_token(n, ref) for n in work]
+    parts.append(
+        (coll.kind, coll.reduce_op, coll.group_size, str(coll.dtype), coll.shapes,
+         [ref(i) for i in coll.node.all_input_nodes])
+    )
+    return hashlib.sha1(repr(parts).encode()).hexdigest()[:12]
+
+
+def _tensor_sig(node: torch.fx.Node) -> tuple[object, ...]:
+    return _sig(node.meta.get("val"))
+
+
+def _sig(val: object) -> tuple[object, ...]:
+    if isinstance(val, torch.Tensor):
+        return (tuple(int(d) for d in val.shape), str(val.dtype))
+    if isinstance(val, (list, tuple)):
+        return tuple(_sig(v) for v in val)
+    return (type(val).__name__,)

@@ -1,0 +1,82 @@
+"""The one interface the profiler measures through: a real GPU (NVML) or a simulated one."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch.fx
+
+from kareus.codegen.clock import ClockController
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What to measure: a graph variant.
+
+    ``gm`` carries tensor metadata (``node.meta["val"]``, fake or real) so a model can cost
+    it without running it; ``run`` executes the variant once on the real device (with its
+    inputs bound) and is what a hardware device times. Either may be absent when the
+    device that measures does not need it.
+    """
+
+    name: str
+    gm: torch.fx.GraphModule | None = None
+    run: Callable[[], object] | None = None
+    world_size: int = 1
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """Time and energy of one workload execution at one clock, with how they were obtained."""
+
+    time_s: float
+    energy_j: float
+    static_power_w: float
+    clock_mhz: int
+    method: str
+    comm_sms: int | None = None
+    details: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def effective_energy_j(self) -> float:
+        """E - P_static * t: the energy the schedule and clock can change (REFERENCE.md s1)."""
+        return self.energy_j - self.static_power_w * self.time_s
+
+    @property
+    def average_power_w(self) -> float:
+        return self.energy_j / self.time_s if self.time_s > 0 else 0.0
+
+
+class Device(abc.ABC):
+    """A GPU the profiler can measure on and whose SM clock a controller can set."""
+
+    name: str
+
+    @abc.abstractmethod
+    def supported_clocks(self) -> tuple[int, ...]:
+        """Every SM clock (MHz) the device accepts, descending."""
+
+    @abc.abstractmethod
+    def search_clocks(self) -> tuple[int, ...]:
+        """The SM clocks (MHz) searched by default, descending; the first is the default clock."""
+
+    @property
+    @abc.abstractmethod
+    def static_power_w(self) -> float:
+        """Power drawn while on and blocked (P_static of E_eff = E - P_static * t)."""
+
+    @abc.abstractmethod
+    def measure(
+        self, workload: Workload, clock_mhz: int, *, comm_sms: int | None = None
+    ) -> Measurement:
+        """Time and energy of one execution of ``workload`` at ``clock_mhz``.
+
+        ``comm_sms`` caps the SMs given to collectives (None: the library's default);
+        devices without that knob reject a value other than None.
+        """
+
+    @abc.abstractmethod
+    def clock_controller(self) -> ClockController:
+        """The controller the ``kareus::set_clock`` op drives on this device."""

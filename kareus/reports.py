@@ -1,0 +1,144 @@
+"""What kareus found in every graph it compiled: plain records, a registry and a table.
+
+Records hold no FX nodes, only names and numbers, so they outlive the graphs and can be
+serialised.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from dataclasses import dataclass
+
+from rich.console import Console
+from rich.table import Table
+
+from kareus.passes.collectives import Collective
+from kareus.passes.partition import GraphPartitioning, Slot
+
+
+@dataclass(frozen=True)
+class CollectiveReport:
+    name: str
+    kind: str
+    group_name: str
+    group_size: int | None
+    reduce_op: str | None
+    dtype: str
+    shapes: tuple[tuple[int, ...], ...]
+    payload_bytes: int
+    bytes_per_rank: int | None
+
+    @classmethod
+    def of(cls, c: Collective) -> CollectiveReport:
+        return cls(
+            c.name, c.kind, c.group_name, c.group_size, c.reduce_op, str(c.dtype).removeprefix("torch."),
+            c.shapes, c.payload_bytes, c.bytes_per_rank,
+        )
+
+
+@dataclass(frozen=True)
+class PartitionReport:
+    index: int
+    collective: str
+    collective_kind: str
+    key: str
+    slots: tuple[Slot, ...]
+    num_nodes: int
+
+
+@dataclass(frozen=True)
+class GraphReport:
+    """One compiled graph: its kind, label (as passed to ``set_clock``) and what was found."""
+
+    label: str
+    kind: str  # "forward" | "backward" | "inference"
+    num_nodes: int
+    lowering: str
+    collectives: tuple[CollectiveReport, ...]
+    partitions: tuple[PartitionReport, ...]
+    notes: tuple[str, ...]
+
+    @classmethod
+    def build(
+        cls, label: str, kind: str, num_nodes: int, lowering: str,
+        collectives: list[Collective], partitioning: GraphPartitioning | None,
+        notes: tuple[str, ...] = (),
+    ) -> GraphReport:
+        parts = partitioning.partitions if partitioning else ()
+        return cls(
+            label=label,
+            kind=kind,
+            num_nodes=num_nodes,
+            lowering=lowering,
+            collectives=tuple(CollectiveReport.of(c) for c in collectives),
+            partitions=tuple(
+                PartitionReport(p.index, p.collective.name, p.collective.kind, p.key, p.slots, len(p.nodes))
+                for p in parts
+            ),
+            notes=(*(partitioning.notes if partitioning else ()), *notes),
+        )
+
+    def to_dict(self) -> dict[str, object]:
+        return dataclasses.asdict(self)
+
+
+_lock = threading.Lock()
+_reports: list[GraphReport] = []
+
+
+def record(report: GraphReport) -> None:
+    with _lock:
+        _reports.append(report)
+
+
+def graph_reports() -> list[GraphReport]:
+    """One record per graph compiled by kareus in this process, in compilation order."""
+    with _lock:
+        return list(_reports)
+
+
+def clear_graph_reports() -> None:
+    with _lock:
+        _reports.clear()
+
+
+def report_table(report: GraphReport) -> Table:
+    """Collectives with their partitions (key and launch slots) as a rich table."""
+    table = Table(
+        title=f"kareus {report.label}: {report.kind} graph, {report.num_nodes} nodes, "
+        f"{len(report.collectives)} collectives, {len(report.partitions)} partitions",
+        title_justify="left",
+    )
+    for column in ("collective", "kind", "group", "payload", "partition key", "launch slots"):
+        table.add_column(column, overflow="fold")
+    by_collective = {p.collective: p for p in report.partitions}
+    for c in report.collectives:
+        p = by_collective.get(c.name)
+        table.add_row(
+            c.name,
+            c.kind + (f"({c.reduce_op})" if c.reduce_op else ""),
+            f"{c.group_name}×{c.group_size}",
+            _human_bytes(c.payload_bytes),
+            p.key if p else "-",
+            " | ".join(s.label for s in p.slots) if p else "-",
+        )
+    if report.notes:
+        table.caption = "\n".join(report.notes)
+        table.caption_justify = "left"
+    return table
+
+
+def print_report(report: GraphReport, console: Console | None = None) -> None:
+    (console or Console()).print(report_table(report))
+
+
+def _human_bytes(n: int) -> str:
+    if n < 1024:
+        return f"{n} B"
+    size = n / 1024
+    for unit in ("KiB", "MiB"):
+        if size < 1024:
+            return f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"

@@ -1,0 +1,160 @@
+import copy
+import logging
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch._functorch.aot_autograd import make_boxed_func
+from torch._inductor.compile_fx import compile_fx
+from torch._inductor.utils import run_and_get_code
+from torch.testing import FileCheck
+
+import kareus
+import kareus.backend
+from conftest import tp_llama
+from kareus.codegen.clock import RecordingClockController, use_controller
+from kareus.codegen.runtime_ops import set_clock
+
+
+def test_backend_name_resolves_in_a_fresh_process_without_importing_kareus():
+    script = textwrap.dedent(
+        """
+        import sys, torch
+        assert "kareus" not in sys.modules
+        f = torch.compile(lambda x: torch.sin(x) + 1, backend="kareus", options={"lowering": "eager"})
+        x = torch.randn(5)
+        torch.testing.assert_close(f(x), torch.sin(x) + 1)
+        import kareus
+        print([r.kind for r in kareus.graph_reports()])
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "['inference']"
+
+
+class MLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def _ops(gm: torch.fx.GraphModule) -> list[str]:
+    return [str(n.target) for n in gm.graph.nodes if n.op == "call_function" and n.target is not set_clock]
+
+
+@pytest.mark.parametrize("lowering", ["inductor", "eager"])
+def test_model_without_collectives_compiles_unchanged(lowering, monkeypatch):
+    plain = []
+
+    def capture(gm, inputs, **kwargs):
+        plain.append(_ops(gm))
+        return make_boxed_func(gm.forward)
+
+    torch.manual_seed(0)
+    model, x = MLP(), torch.randn(3, 8)
+    torch.compile(copy.deepcopy(model), backend=lambda gm, ex: compile_fx(gm, ex, inner_compile=capture))(x).sum().backward()
+    torch._dynamo.reset()
+
+    lowered, switches = [], []
+
+    def spy(gm, *args, **kwargs):  # Inductor mutates the graph it lowers: look first
+        lowered.append(_ops(gm))
+        switches.append(sum(n.target is set_clock for n in gm.graph.nodes))
+        return real_lower(gm, *args, **kwargs)
+
+    real_lower = kareus.backend.lower
+    monkeypatch.setattr(kareus.backend, "lower", spy)
+    ref_model = copy.deepcopy(model)
+    out = torch.compile(model, backend="kareus", options={"lowering": lowering})(x)
+    out.sum().backward()
+    ref = ref_model(x)
+    ref.sum().backward()
+
+    torch.testing.assert_close(out, ref)
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    assert [r.kind for r in kareus.graph_reports()] == ["forward", "backward"]
+    for report in kareus.graph_reports():
+        assert report.collectives == () and report.partitions == () and report.notes == ()
+    assert lowered == plain, "only the clock switch is added"
+    assert switches == [1, 1]
+
+
+def test_clock_switch_is_pinned_at_graph_entry_in_inductor_code(fake_pg):
+    model = torch.compile(tp_llama(2), backend="kareus")
+    tokens = torch.randint(0, 256, (4, 16))
+    recorder = RecordingClockController()
+    with use_controller(recorder):
+        out, (fw_code,) = run_and_get_code(model, tokens)
+        _, (bw_code,) = run_and_get_code(lambda: out.sum().backward())
+    labels = [r.label for r in kareus.graph_reports()]
+    assert [label.split("/")[1] for label in labels] == ["forward", "backward"]
+    for code, label in zip((fw_code, bw_code), labels):
+        (
+            FileCheck()
+            .check("def call(")
+            .check_not("extern_kernels.")
+            .check_not("cpp_fused_")
+            .check_not("_c10d_functional")
+            .check(f"torch.ops.kareus.set_clock.default('{label}', 0)")
+            .check("_c10d_functional.all_reduce")
+            .run(code)
+        )
+        FileCheck().check_count("torch.ops.kareus.set_clock.default", 1, exactly=True).run(code)
+    assert [s.graph for s in recorder.switches] == labels
+
+
+def test_one_switch_per_graph_execution_in_order():
+    model = torch.compile(MLP(), backend="kareus", options={"lowering": "eager"})
+    recorder = RecordingClockController()
+    with use_controller(recorder):
+        for _ in range(3):
+            model(torch.randn(2, 8)).sum().backward()
+        with torch.no_grad():
+            model(torch.randn(2, 8))
+    forward, backward, inference = kareus.graph_reports()
+    assert (forward.kind, backward.kind, inference.kind) == ("forward", "backward", "inference")
+    expected = [forward.label, backward.label] * 3 + [inference.label]
+    assert [s.graph for s in recorder.switches] == expected
+    assert [s.order for s in recorder.switches] == list(range(7))
+    assert recorder.resets == 1  # use_controller restores default clocks on exit
+
+
+def test_explain_prints_a_table_and_logs(fake_pg, capsys, caplog):
+    caplog.set_level(logging.INFO, logger="kareus")
+    model = torch.compile(tp_llama(1), backend="kareus", options={"explain": True, "lowering": "eager"})
+    model(torch.randint(0, 256, (2, 8)))
+    printed = capsys.readouterr().out
+    (report,) = kareus.graph_reports()
+    assert f"kareus {report.label}: forward graph" in printed and "all_reduce" in printed
+    assert "launch slots" in printed
+    assert any(
+        f"{report.label}: 4 collectives, 4 partitions" in r.getMessage() for r in caplog.records
+    )
+
+
+def test_no_table_without_explain(fake_pg, capsys):
+    torch.compile(tp_llama(1), backend="kareus", options={"lowering": "eager"})(torch.randint(0, 256, (2, 8)))
+    assert "launch slots" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "compile_kwargs, message",
+    [
+        ({"options": {"nanobatch": 2}}, "unknown kareus option 'nanobatch'"),
+        ({"options": {"lowering": "cuda"}}, "kareus option 'lowering': got 'cuda'"),
+        ({"mode": "max-autotune"}, "mode 'max-autotune' is not supported"),
+    ],
+)
+def test_bad_options_and_modes_fail_before_compiling(compile_kwargs, message):
+    # Dynamo wraps backend errors; the cause is ours, with its message intact.
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match=message) as info:
+        torch.compile(MLP(), backend="kareus", **compile_kwargs)(torch.randn(2, 8))
+    assert isinstance(info.value.inner_exception, kareus.KareusOptionError)
+    assert kareus.graph_reports() == []
