@@ -26,6 +26,15 @@ class KareusOptions:
             "doc": "how each graph is lowered: Inductor code generation, or run op by op",
         },
     )
+    device: str = dataclasses.field(
+        default="auto",
+        metadata={
+            "validate": lambda value: _device_problem(value),
+            "accepted": '"auto" | "nvml" | "nvml-dry-run" | "sim:<preset>" | a custom GPU .json path',
+            "doc": "the GPU whose clocks kareus controls and whose time and energy it measures "
+            "or models; auto: this GPU through NVML, else the simulated default",
+        },
+    )
     explain: bool = dataclasses.field(
         default=False,
         metadata={
@@ -65,7 +74,15 @@ class KareusOptions:
         return {f.name: f"{f.metadata['doc']} ({_accepted(f)})" for f in dataclasses.fields(cls)}
 
 
+def _device_problem(value: object) -> str | None:
+    from kareus.profiler.devices.resolve import spec_problem
+
+    return spec_problem(value)
+
+
 def _accepted(f: dataclasses.Field) -> str:
+    if "accepted" in f.metadata:
+        return f.metadata["accepted"]
     if "choices" in f.metadata:
         return " | ".join(repr(c) for c in f.metadata["choices"])
     return f.metadata["type"].__name__
@@ -73,14 +90,17 @@ def _accepted(f: dataclasses.Field) -> str:
 
 def _check(f: dataclasses.Field, value: Any) -> None:
     meta = f.metadata
-    if "choices" in meta:
+    if "validate" in meta:
+        problem = meta["validate"](value)
+    elif "choices" in meta:
         ok = any(value == c and type(value) is type(c) for c in meta["choices"])
+        problem = None if ok else ""
     else:
-        ok = type(value) is meta["type"]
-    if not ok:
+        problem = None if type(value) is meta["type"] else ""
+    if problem is not None:
         raise KareusOptionError(
             f"kareus option {f.name!r}: got {value!r} ({type(value).__name__}); "
-            f"accepted: {_accepted(f)}"
+            f"{problem + '; ' if problem else ''}accepted: {_accepted(f)}"
         )
 
 

@@ -15,6 +15,7 @@ from rich.table import Table
 
 from kareus.passes.collectives import Collective
 from kareus.passes.partition import GraphPartitioning, Slot
+from kareus.profiler.devices.base import Measurement
 
 
 @dataclass(frozen=True)
@@ -58,12 +59,14 @@ class GraphReport:
     collectives: tuple[CollectiveReport, ...]
     partitions: tuple[PartitionReport, ...]
     notes: tuple[str, ...]
+    device: str
+    estimate: Measurement | None  # modelled at the default clock (simulated devices only)
 
     @classmethod
     def build(
         cls, label: str, kind: str, num_nodes: int, lowering: str,
         collectives: list[Collective], partitioning: GraphPartitioning | None,
-        notes: tuple[str, ...] = (),
+        *, device: str, estimate: Measurement | None = None, notes: tuple[str, ...] = (),
     ) -> GraphReport:
         parts = partitioning.partitions if partitioning else ()
         return cls(
@@ -77,6 +80,8 @@ class GraphReport:
                 for p in parts
             ),
             notes=(*(partitioning.notes if partitioning else ()), *notes),
+            device=device,
+            estimate=estimate,
         )
 
     def to_dict(self) -> dict[str, object]:
@@ -105,11 +110,17 @@ def clear_graph_reports() -> None:
 
 def report_table(report: GraphReport) -> Table:
     """Collectives with their partitions (key and launch slots) as a rich table."""
-    table = Table(
-        title=f"kareus {report.label}: {report.kind} graph, {report.num_nodes} nodes, "
-        f"{len(report.collectives)} collectives, {len(report.partitions)} partitions",
-        title_justify="left",
+    title = (
+        f"kareus {report.label}: {report.kind} graph, {report.num_nodes} nodes, "
+        f"{len(report.collectives)} collectives, {len(report.partitions)} partitions"
     )
+    if report.estimate is not None:
+        e = report.estimate
+        title += (
+            f"\non {report.device} at {e.clock_mhz} MHz (modelled): {e.time_s * 1e3:.3f} ms, "
+            f"{e.energy_j * 1e3:.2f} mJ ({e.effective_energy_j * 1e3:.2f} mJ above static)"
+        )
+    table = Table(title=title, title_justify="left")
     for column in ("collective", "kind", "group", "payload", "partition key", "launch slots"):
         table.add_column(column, overflow="fold")
     by_collective = {p.collective: p for p in report.partitions}

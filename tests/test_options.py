@@ -8,22 +8,32 @@ def test_defaults():
     assert parse_options({}) == KareusOptions(lowering="inductor", explain=False)
 
 
-def test_valid_dict_round_trips():
-    opts = parse_options({"lowering": "eager", "explain": True})
-    assert opts.lowering == "eager" and opts.explain is True
+@pytest.mark.parametrize("device", ["auto", "nvml", "nvml-dry-run", "sim:h200", "sim:a100-sxm4-40gb"])
+def test_valid_dict_round_trips(device):
+    opts = parse_options({"lowering": "eager", "explain": True, "device": device})
+    assert (opts.lowering, opts.explain, opts.device) == ("eager", True, device)
     assert parse_options(opts.to_dict()) == opts
+
+
+def test_custom_gpu_file_is_a_device(tmp_path):
+    path = tmp_path / "gpu.json"
+    path.write_text("{}")  # existence is checked here; the contents when the device opens
+    assert parse_options({"device": str(path)}).device == str(path)
 
 
 @pytest.mark.parametrize(
     "options, message",
     [
-        ({"lowerin": "eager"}, "unknown kareus option 'lowerin'; accepted options: explain, lowering"),
+        ({"lowerin": "eager"}, "unknown kareus option 'lowerin'; accepted options: device, explain, lowering"),
         ({"a": 1, "b": 2}, "unknown kareus options 'a', 'b'"),
         ({"lowering": "aot_eager"}, "kareus option 'lowering': got 'aot_eager' (str); accepted: 'inductor' | 'eager'"),
         ({"lowering": None}, "kareus option 'lowering': got None (NoneType)"),
         ({"explain": "yes"}, "kareus option 'explain': got 'yes' (str); accepted: bool"),
         ({"explain": 1}, "kareus option 'explain': got 1 (int); accepted: bool"),
         (["lowering"], "kareus options must be a dict, got list"),
+        ({"device": "sim:a100"}, "kareus option 'device': got 'sim:a100' (str); no simulated preset of that name; presets: sim:a100-sxm4-40gb"),
+        ({"device": "cuda:0"}, "kareus option 'device': got 'cuda:0' (str); no such file: cuda:0"),
+        ({"device": 0}, "kareus option 'device': got 0 (int); expected a string, got int; accepted: \"auto\" | \"nvml\""),
     ],
 )
 def test_bad_options_name_key_value_and_accepted(options, message):

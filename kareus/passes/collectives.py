@@ -46,17 +46,22 @@ class Collective:
     waits: tuple[torch.fx.Node, ...]
 
     @property
-    def bytes_per_rank(self) -> int | None:
+    def ring_passes(self) -> int:
+        """Passes over the ring: reduce-scatter then all-gather for an all-reduce, else one."""
+        return 2 if self.kind == "all_reduce" else 1
+
+    def bus_bytes(self, group_size: int) -> float:
         """Bytes each rank sends with a ring algorithm (nccl-tests bus-bandwidth convention).
 
         ``payload_bytes`` is the nccl-tests "size": the buffer of an all-reduce or
         all-to-all, the gathered output of an all-gather, the input of a reduce-scatter.
         """
-        n = self.group_size
-        if n is None:
-            return None
-        factor = 2 * (n - 1) / n if self.kind == "all_reduce" else (n - 1) / n
-        return int(self.payload_bytes * factor)
+        n = group_size
+        return self.payload_bytes * self.ring_passes * (n - 1) / n
+
+    @property
+    def bytes_per_rank(self) -> int | None:
+        return None if self.group_size is None else int(self.bus_bytes(self.group_size))
 
     @property
     def name(self) -> str:

@@ -1,0 +1,319 @@
+"""The NVML clock controller: locks SM clocks in stream order without stalling training.
+
+``set_clock`` runs on the training thread (inside a compiled graph, through the
+``kareus::set_clock`` op). An NVML call takes 10-20 ms and a host synchronize would drain
+the GPU queue, so neither may happen there. Instead ``set_clock`` records a CUDA event on
+the current stream and hands (event, clock) to a controller thread, which waits for the
+event and only then calls NVML: the switch lands where the graph starts in the stream.
+
+A lock outlives the process (REFERENCE.md s4), so every controller is reset at interpreter
+exit, on SIGTERM/SIGINT (then the signal does what it did before) and when used as a
+context manager. A reset that fails is logged at CRITICAL level and raised.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import queue
+import signal
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import FrameType, ModuleType
+from typing import Any, Protocol
+
+from kareus.codegen.clock import DEFAULT_CLOCK_MHZ, ClockSwitch
+from kareus.profiler.devices.errors import (
+    ClockControlError,
+    ClockControlUnsupportedError,
+    ClockPermissionError,
+    ClockResetError,
+    MigClockControlError,
+    UnsupportedClockError,
+    nvml_error_code,
+)
+
+logger = logging.getLogger("kareus")
+
+
+class StreamEvent(Protocol):
+    """What the controller thread waits on: a recorded ``torch.cuda.Event`` or a stand-in."""
+
+    def synchronize(self) -> None: ...
+
+
+EventFactory = Callable[[], StreamEvent | None]
+
+
+def record_cuda_event() -> StreamEvent:
+    """An event recorded now on the current CUDA stream: it completes when the GPU gets there."""
+    import torch
+
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+def no_event() -> None:
+    """Without CUDA there is no stream to order against: switch as soon as the thread runs."""
+    return None
+
+
+def default_event_factory() -> EventFactory:
+    import torch
+
+    return record_cuda_event if torch.cuda.is_available() else no_event
+
+
+@dataclass(frozen=True)
+class _Request:
+    graph: str
+    mhz: int
+    event: StreamEvent | None
+    generation: int
+
+
+_STOP = object()
+
+
+class NvmlClockController:
+    """Locks the SM clock of one GPU (min = max = the request); the memory clock is untouched.
+
+    The controller assumes the GPU starts at its default clocks: a lock left behind by a
+    job killed with SIGKILL (no handler runs) is not detectable through NVML; clear it
+    with ``nvidia-smi -rgc``.
+    ``dry_run`` runs the same path (validation, events, thread) but only records switches.
+    """
+
+    def __init__(
+        self,
+        nvml: ModuleType | Any,
+        handle: object,
+        *,
+        gpu: str,
+        index: int,
+        supported_clocks: Sequence[int],
+        dry_run: bool = False,
+        event_factory: EventFactory | None = None,
+        reset_at_exit: bool = True,
+    ) -> None:
+        self._nvml = nvml
+        self._handle = handle
+        self.gpu = gpu
+        self.index = index
+        self.dry_run = dry_run
+        self._supported = frozenset(supported_clocks)
+        self._sorted_supported = tuple(sorted(supported_clocks, reverse=True))
+        self._event_factory = event_factory or default_event_factory()
+        if not dry_run:
+            self._refuse_mig()
+        # Training side (cheap, never held across NVML calls) and controller side. Both are
+        # reentrant because a signal handler may reset while the main thread holds them.
+        self._request_lock = threading.RLock()
+        self._apply_lock = threading.RLock()
+        self._requested = DEFAULT_CLOCK_MHZ
+        self._generation = 0
+        self._applied = DEFAULT_CLOCK_MHZ
+        self._error: BaseException | None = None
+        self._queue: queue.Queue[object] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.switches: list[ClockSwitch] = []
+        """Switches applied (or, in a dry run, that would have been), in order."""
+        if reset_at_exit:
+            _exit_guard.register(self)
+
+    @property
+    def applied_mhz(self) -> int:
+        """The clock the controller last applied (``DEFAULT_CLOCK_MHZ``: not locked)."""
+        return self._applied
+
+    def set_clock(self, graph: str, mhz: int) -> None:
+        """Queue a switch to ``mhz`` at the current point of the stream; returns at once."""
+        self._raise_pending_error()
+        if mhz != DEFAULT_CLOCK_MHZ and mhz not in self._supported:
+            raise UnsupportedClockError(self.gpu, mhz, self._sorted_supported)
+        with self._request_lock:
+            if self._closed:
+                raise RuntimeError(f"the clock controller of {self.gpu} is closed")
+            if mhz == self._requested:
+                return
+            self._requested = mhz
+            generation = self._generation
+        self._start_thread()
+        self._queue.put(_Request(graph, mhz, self._event_factory(), generation))
+
+    def flush(self) -> None:
+        """Block until every queued switch has been applied; raise what the thread hit."""
+        self._queue.join()
+        self._raise_pending_error()
+
+    def reset(self) -> None:
+        """Unlock clocks now, from the calling thread, dropping queued switches.
+
+        Not stream-ordered (it serves exits and errors); a graph that wants default clocks
+        at its start calls ``set_clock(graph, DEFAULT_CLOCK_MHZ)`` instead.
+        """
+        with self._apply_lock:
+            with self._request_lock:
+                self._generation += 1
+                self._requested = DEFAULT_CLOCK_MHZ
+            self._apply("reset", DEFAULT_CLOCK_MHZ)
+
+    def close(self) -> None:
+        """Reset clocks and stop the controller thread; idempotent."""
+        with self._request_lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self.reset()
+        finally:
+            _exit_guard.unregister(self)
+            if self._thread is not None:
+                self._queue.put(_STOP)
+                self._thread.join()
+
+    def __enter__(self) -> NvmlClockController:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _refuse_mig(self) -> None:
+        try:
+            current, _pending = self._nvml.nvmlDeviceGetMigMode(self._handle)
+        except self._nvml.NVMLError as exc:
+            if nvml_error_code(exc) == self._nvml.NVML_ERROR_NOT_SUPPORTED:
+                return  # pre-Ampere GPUs have no MIG
+            raise
+        if current == self._nvml.NVML_DEVICE_MIG_ENABLE:
+            raise MigClockControlError(self.gpu)
+
+    def _start_thread(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name=f"kareus-clock-{self.index}", daemon=True
+            )
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is _STOP:
+                    return
+                assert isinstance(item, _Request)
+                if item.event is not None:
+                    item.event.synchronize()
+                with self._apply_lock:
+                    if item.generation == self._generation:
+                        self._apply(item.graph, item.mhz)
+            except Exception as exc:  # surfaced on the training thread at its next call
+                logger.error("clock switch on %s failed: %s", self.gpu, exc)
+                with self._request_lock:
+                    self._error = exc
+            finally:
+                self._queue.task_done()
+
+    def _apply(self, graph: str, mhz: int) -> None:
+        """Make ``mhz`` the GPU's clock; caller holds the apply lock."""
+        if mhz == self._applied:
+            return
+        if not self.dry_run:
+            if mhz == DEFAULT_CLOCK_MHZ:
+                self._nvml_reset()
+            else:
+                self._nvml_lock(mhz)
+        self._applied = mhz
+        self.switches.append(ClockSwitch(len(self.switches), graph, mhz))
+
+    def _nvml_lock(self, mhz: int) -> None:
+        try:
+            self._nvml.nvmlDeviceSetGpuLockedClocks(self._handle, mhz, mhz)
+        except self._nvml.NVMLError as exc:
+            code = nvml_error_code(exc)
+            if code == self._nvml.NVML_ERROR_NO_PERMISSION:
+                raise ClockPermissionError(self.gpu) from exc
+            if code == self._nvml.NVML_ERROR_NOT_SUPPORTED:
+                raise ClockControlUnsupportedError(self.gpu) from exc
+            raise ClockControlError(self.gpu, mhz, exc) from exc
+
+    def _nvml_reset(self) -> None:
+        try:
+            self._nvml.nvmlDeviceResetGpuLockedClocks(self._handle)
+        except Exception as exc:
+            error = ClockResetError(self.gpu, self.index, exc)
+            logger.critical("%s", error)
+            raise error from exc
+
+    def _raise_pending_error(self) -> None:
+        with self._request_lock:
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+
+class _ExitGuard:
+    """Resets every live controller at exit and on SIGTERM/SIGINT, before the usual outcome.
+
+    Handlers are installed once, on the first registration (signal handlers only from the
+    main thread, where Python allows them). After resetting, a signal goes to the handler
+    that was there before; a default disposition is restored and the signal re-raised, so
+    the process still dies of it (exit status -SIGTERM).
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._controllers: list[NvmlClockController] = []
+        self._previous: dict[int, Any] = {}
+        self._installed = False
+
+    def register(self, controller: NvmlClockController) -> None:
+        with self._lock:
+            self._controllers.append(controller)
+            if not self._installed:
+                self._install()
+
+    def unregister(self, controller: NvmlClockController) -> None:
+        with self._lock:
+            if controller in self._controllers:
+                self._controllers.remove(controller)
+
+    def reset_all(self) -> None:
+        """Reset every registered controller; a failure is logged, then the next is reset."""
+        with self._lock:
+            controllers = list(self._controllers)
+        for controller in controllers:
+            try:
+                controller.reset()
+            except ClockResetError:
+                pass  # already logged CRITICAL; keep resetting the others
+
+    def _install(self) -> None:
+        self._installed = True
+        atexit.register(self.reset_all)
+        if threading.current_thread() is not threading.main_thread():
+            logger.warning(
+                "kareus clock controller created off the main thread: no SIGTERM/SIGINT "
+                "handler installed, clocks are reset only at normal exit"
+            )
+            return
+        for signum in self.SIGNALS:
+            self._previous[signum] = signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.reset_all()
+        previous = self._previous[signum]
+        if callable(previous):
+            previous(signum, frame)
+        elif previous != signal.SIG_IGN:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+
+_exit_guard = _ExitGuard()
