@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+from dataclasses import dataclass
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -25,7 +26,11 @@ from kareus.codegen.lowering import lower, pinned_schedule_config
 from kareus.options import KareusOptionError, KareusOptions
 from kareus.passes.collectives import find_collectives
 from kareus.passes.frequency import insert_clock_switch
+from kareus.passes.interface import ForwardInterface, backward_inputs, forward_inputs, record_forward
+from kareus.passes.nanobatch import CannotRewrite, feasibility, nanobatch_graph
 from kareus.passes.partition import partition_graph
+from kareus.passes.placement import propagate
+from kareus.passes.variants import NANOBATCH_COUNTS, variant_space
 from kareus.profiler.devices import Device, Measurement, SimulatedGPU, Workload
 from kareus.profiler.devices.nvml import NvmlGPU
 from kareus.profiler.devices.resolve import resolve_device
@@ -54,23 +59,34 @@ def kareus_backend(
         # A controller the user installed (use_controller) wins over the device's own.
         set_active_controller(device.clock_controller())
     region = next(_regions)
+    forward: ForwardInterface | None = None  # set by the forward, read by the backward
 
     def inner_compile(graph_module: torch.fx.GraphModule, inputs: Sequence[Any], **kwargs: Any):
+        nonlocal forward
         if kwargs.get("is_backward"):
             kind = "backward"
         elif kwargs.get("is_inference"):
             kind = "inference"
         else:
             kind = "forward"
-        report = run_passes(graph_module, f"r{region}/{kind}", kind, opts, device)
+        result = run_passes(
+            graph_module, inputs, f"r{region}/{kind}", kind, opts, device,
+            static_input_idxs=kwargs.get("static_input_idxs") or (), forward=forward,
+        )
+        if kind == "forward":
+            forward = result.interface
+        report = result.report
         reports.record(report)
         log.info(
-            "%s: %d collectives, %d partitions%s", report.label, len(report.collectives),
-            len(report.partitions), "".join(f"\n  {n}" for n in report.notes),
+            "%s: %d collectives, %d partitions, %d nanobatches%s", report.label,
+            len(report.collectives), len(report.partitions), report.nanobatches,
+            "".join(f"\n  {n}" for n in report.notes),
         )
+        if report.fallback_reason:
+            log.warning("%s runs unrewritten: %s", report.label, report.fallback_reason)
         if opts.explain:
             reports.print_report(report)
-        return lower(graph_module, inputs, opts.lowering, **kwargs)
+        return lower(result.gm, inputs, opts.lowering, **kwargs)
 
     # A warm AOT-autograd cache would return compiled graphs without calling
     # inner_compile, skipping kareus's passes and reports; Inductor's own FX-graph cache
@@ -87,20 +103,60 @@ def open_device(spec: str) -> Device:
     return resolve_device(spec)
 
 
+@dataclass(frozen=True)
+class PassResult:
+    gm: torch.fx.GraphModule
+    report: reports.GraphReport
+    interface: ForwardInterface | None  # what the backward needs to know of a forward
+
+
 def run_passes(
-    gm: torch.fx.GraphModule, label: str, kind: str, opts: KareusOptions, device: Device
-) -> reports.GraphReport:
-    """Analyse ``gm`` and rewrite it in place; returns what was found and done."""
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    label: str,
+    kind: str,
+    opts: KareusOptions,
+    device: Device,
+    *,
+    static_input_idxs: Sequence[int] = (),
+    forward: ForwardInterface | None = None,
+) -> PassResult:
+    """Analyse ``gm``, rewrite it as the options ask where that is safe, add clock switches."""
     num_nodes = len(gm.graph.nodes)
     collectives = find_collectives(gm.graph)
     partitioning = partition_graph(gm.graph, collectives)
+    inputs = (
+        backward_inputs(gm.graph, forward)
+        if kind == "backward"
+        else forward_inputs(gm.graph, static_input_idxs)
+    )
+    placements = {k: propagate(gm.graph, inputs, k) for k in NANOBATCH_COUNTS[1:]}
+    infeasible = {
+        k: why for k, result in placements.items()
+        if (why := feasibility(gm.graph, result, k, collectives))
+    }
+    space = variant_space(partitioning, placements[2], infeasible)
+    k = opts.nanobatches
+    interface = record_forward(gm.graph, placements[max(k, 2)]) if kind == "forward" else None
+    fallback = infeasible.get(k) if k > 1 else None
+    if k > 1 and fallback is None:
+        try:
+            gm = nanobatch_graph(
+                gm, partitioning, collectives, placements[k], space.schedule(space.default(k)),
+                example_inputs,
+            )
+        except CannotRewrite as exc:
+            fallback = str(exc)
     insert_clock_switch(gm.graph, label)
     gm.graph.lint()
     gm.recompile()
-    return reports.GraphReport.build(
+    report = reports.GraphReport.build(
         label, kind, num_nodes, opts.lowering, collectives, partitioning,
         device=device.name, estimate=_estimate(gm, label, device),
+        nanobatches=k if k > 1 and fallback is None else 1, fallback_reason=fallback,
+        variants=space, barriers=placements[max(k, 2)].barriers,
     )
+    return PassResult(gm, report, interface)
 
 
 def _estimate(gm: torch.fx.GraphModule, label: str, device: Device) -> Measurement | None:

@@ -7,7 +7,6 @@ import logging
 import sys
 import time
 
-from rich.console import Console
 from rich.table import Table
 
 
@@ -33,10 +32,9 @@ def main(argv: list[str] | None = None) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from kareus.demo import DemoConfig, run
     from kareus.models.llama import LlamaConfig
-    from kareus.reports import print_report
+    from kareus.reports import make_console, print_report
 
-    # Wide enough for the partition tables when the output is piped to a file.
-    console = Console(width=None if sys.stdout.isatty() else 140)
+    console = make_console()
     cfg = DemoConfig(
         world_size=args.world_size,
         steps=args.steps,

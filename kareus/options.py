@@ -35,6 +35,14 @@ class KareusOptions:
             "or models; auto: this GPU through NVML, else the simulated default",
         },
     )
+    nanobatches: int = dataclasses.field(
+        default=1,
+        metadata={
+            "choices": (1, 2, 4),
+            "doc": "split every graph where it is safe into this many nanobatches, each "
+            "partition's collective issued at its earliest slot (1: no rewrite)",
+        },
+    )
     explain: bool = dataclasses.field(
         default=False,
         metadata={

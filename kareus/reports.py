@@ -7,6 +7,7 @@ serialised.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import threading
 from dataclasses import dataclass
 
@@ -15,6 +16,8 @@ from rich.table import Table
 
 from kareus.passes.collectives import Collective
 from kareus.passes.partition import GraphPartitioning, Slot
+from kareus.passes.placement import Barrier
+from kareus.passes.variants import VariantSpace
 from kareus.profiler.devices.base import Measurement
 
 
@@ -61,12 +64,18 @@ class GraphReport:
     notes: tuple[str, ...]
     device: str
     estimate: Measurement | None  # modelled at the default clock (simulated devices only)
+    nanobatches: int  # the count actually applied (1: unrewritten)
+    fallback_reason: str | None  # why the requested count did not apply (None: it did)
+    variants: VariantSpace
+    barriers: tuple[Barrier, ...]  # where split regions end, and why
 
     @classmethod
     def build(
         cls, label: str, kind: str, num_nodes: int, lowering: str,
         collectives: list[Collective], partitioning: GraphPartitioning | None,
-        *, device: str, estimate: Measurement | None = None, notes: tuple[str, ...] = (),
+        *, device: str, variants: VariantSpace, nanobatches: int = 1,
+        fallback_reason: str | None = None, barriers: tuple[Barrier, ...] = (),
+        estimate: Measurement | None = None, notes: tuple[str, ...] = (),
     ) -> GraphReport:
         parts = partitioning.partitions if partitioning else ()
         return cls(
@@ -82,6 +91,10 @@ class GraphReport:
             notes=(*(partitioning.notes if partitioning else ()), *notes),
             device=device,
             estimate=estimate,
+            nanobatches=nanobatches,
+            fallback_reason=fallback_reason,
+            variants=variants,
+            barriers=barriers,
         )
 
     def to_dict(self) -> dict[str, object]:
@@ -120,12 +133,18 @@ def report_table(report: GraphReport) -> Table:
             f"\non {report.device} at {e.clock_mhz} MHz (modelled): {e.time_s * 1e3:.3f} ms, "
             f"{e.energy_j * 1e3:.2f} mJ ({e.effective_energy_j * 1e3:.2f} mJ above static)"
         )
+    space = report.variants
+    title += (
+        f"\nnanobatches applied: {report.nanobatches}; variant space: k in "
+        f"{{{', '.join(map(str, space.nanobatches))}}}, {space.size():,} variants"
+    )
     table = Table(title=title, title_justify="left")
-    for column in ("collective", "kind", "group", "payload", "partition key", "launch slots"):
+    for column in ("collective", "kind", "group", "payload", "partition key", "launch slots", "resources"):
         table.add_column(column, overflow="fold")
     by_collective = {p.collective: p for p in report.partitions}
+    choices = {c.collective: c for c in space.partitions}
     for c in report.collectives:
-        p = by_collective.get(c.name)
+        p, choice = by_collective.get(c.name), choices.get(c.name)
         table.add_row(
             c.name,
             c.kind + (f"({c.reduce_op})" if c.reduce_op else ""),
@@ -133,15 +152,33 @@ def report_table(report: GraphReport) -> Table:
             _human_bytes(c.payload_bytes),
             p.key if p else "-",
             " | ".join(s.label for s in p.slots) if p else "-",
+            _resources(choice.resources) if choice else "-",
         )
-    if report.notes:
-        table.caption = "\n".join(report.notes)
+    caption = [*report.notes]
+    if report.fallback_reason:
+        caption.append(f"runs unrewritten: {report.fallback_reason}")
+    caption += [f"k={k} does not apply: {why}" for k, why in sorted(space.infeasible.items())]
+    caption += [f"split region ends at {b.node}: {b.reason}" for b in report.barriers[:3]]
+    if len(report.barriers) > 3:
+        caption.append(f"... and {len(report.barriers) - 3} more barriers")
+    if caption:
+        table.caption = "\n".join(caption)
         table.caption_justify = "left"
     return table
 
 
+def _resources(choices: tuple[int | None, ...]) -> str:
+    caps = [c for c in choices if c is not None]
+    return f"default, {min(caps)}..{max(caps)} CTAs" if caps else "default only"
+
+
+def make_console() -> Console:
+    """A console wide enough for the partition tables, also when output goes to a file."""
+    return Console(width=None if sys.stdout.isatty() else 160)
+
+
 def print_report(report: GraphReport, console: Console | None = None) -> None:
-    (console or Console()).print(report_table(report))
+    (console or make_console()).print(report_table(report))
 
 
 def _human_bytes(n: int) -> str:

@@ -135,7 +135,8 @@ def test_explain_prints_a_table_and_logs(fake_pg, capsys, caplog):
     assert f"kareus {report.label}: forward graph" in printed and "all_reduce" in printed
     assert "launch slots" in printed
     assert any(
-        f"{report.label}: 4 collectives, 4 partitions" in r.getMessage() for r in caplog.records
+        f"{report.label}: 4 collectives, 4 partitions, 1 nanobatches" in r.getMessage()
+        for r in caplog.records
     )
 
 

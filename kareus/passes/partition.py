@@ -147,23 +147,32 @@ def _is_compute(node: torch.fx.Node) -> bool:
 def _assign_segments(
     graph: torch.fx.Graph, collectives: Sequence[Collective]
 ) -> dict[torch.fx.Node, int]:
-    """Segment index of every compute node: its deadline, else the level after its last wait."""
+    """Segment index of every compute node.
+
+    A node goes to the earliest segment among those of its users (a collective ``C_j``
+    counts as segment ``j``): as late as its consumers allow, so weight transposes sit
+    with their matmuls and values recomputed for the backward are recomputed where they
+    are used. A graph output goes right after the last wait it depends on (its level),
+    so weight gradients are computed as soon as their inputs exist and those can be
+    freed. Segments so assigned never decrease along an edge, so emitting segments in
+    order is a valid schedule.
+    """
     wait_index = {w: c.index for c in collectives for w in c.waits}
     coll_index = {c.node: c.index for c in collectives}
     level: dict[torch.fx.Node, int] = {}
     for node in graph.nodes:
         own = wait_index[node] + 1 if node in wait_index else 0
         level[node] = max([own, *(level[i] for i in node.all_input_nodes)])
-    deadline: dict[torch.fx.Node, float] = {}
+    segment: dict[torch.fx.Node, float] = {}
     for node in reversed(graph.nodes):
-        deadline[node] = min(
-            [math.inf, *(coll_index.get(u, deadline[u]) for u in node.users)]
-        )
-    return {
-        n: level[n] if deadline[n] == math.inf else int(deadline[n])
-        for n in graph.nodes
-        if _is_compute(n)
-    }
+        due = [
+            level[node] if u.op == "output" else coll_index.get(u, segment.get(u, math.inf))
+            for u in node.users
+        ]
+        segment[node] = min(due, default=math.inf)
+        if segment[node] == math.inf:
+            segment[node] = level[node]
+    return {n: int(segment[n]) for n in graph.nodes if _is_compute(n)}
 
 
 def _why_no_partition(coll: Collective, segment: Sequence[torch.fx.Node]) -> str | None:

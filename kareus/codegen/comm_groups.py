@@ -1,0 +1,56 @@
+"""Communication resources: collectives issued on sub-communicators with a cap on their CTAs.
+
+NCCL runs a collective on CTAs (thread blocks, one SM each) that compute cannot use while
+it runs; fewer CTAs slow the collective and speed the overlapped compute. NCCL fixes the
+count per communicator, so a cap is realised by a sub-communicator of the same ranks
+created with ``max_ctas``: one per distinct (group, cap), created once and reused. Every
+rank compiles the same graphs in the same order, so every rank creates the same groups in
+the same order, as ``new_group`` requires. Other backends (gloo) have no such knob.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+# The method's search ranges (REFERENCE.md section 1): thread blocks given to all-reduce
+# 3..30 step 3, to all-gather / reduce-scatter 1..20.
+_CTA_CHOICES = {
+    "all_reduce": tuple(range(3, 31, 3)),
+    "all_gather": tuple(range(1, 21)),
+    "reduce_scatter": tuple(range(1, 21)),
+}
+
+_capped: dict[tuple[str, int], str] = {}
+
+
+def backend_of(group_name: str) -> str | None:
+    try:
+        return dist.get_backend(_resolve_process_group(group_name))
+    except RuntimeError:  # a group this process does not know (a graph planned offline)
+        return None
+
+
+def resource_choices(kind: str, group_name: str) -> tuple[int | None, ...]:
+    """CTA caps worth searching for a collective (None: the library's default)."""
+    if backend_of(group_name) != "nccl":
+        return (None,)
+    return (None, *_CTA_CHOICES.get(kind, ()))
+
+
+def capped_group(group_name: str, max_ctas: int) -> str:
+    """The name of a sub-communicator of ``group_name``'s ranks limited to ``max_ctas`` CTAs."""
+    backend = backend_of(group_name)
+    if backend != "nccl":
+        raise ValueError(
+            f"communication resource caps need NCCL; group {group_name!r} uses {backend!r}, "
+            "where a collective's resources cannot be capped"
+        )
+    key = (group_name, max_ctas)
+    if key not in _capped:
+        group = _resolve_process_group(group_name)
+        options = dist.ProcessGroupNCCL.Options()
+        options.config.max_ctas = max_ctas
+        sub = dist.new_group(dist.get_process_group_ranks(group), pg_options=options)
+        _capped[key] = sub.group_name
+    return _capped[key]

@@ -1,0 +1,89 @@
+"""Which inputs of an AOT graph carry the batch, and how the backward inherits that.
+
+Forward (and inference) graphs: parameters and buffers are Inductor's static inputs; the
+other inputs that feed compute are the user's activations, split along dim 0 when their
+leading size is the batch size (that of the first of them). Backward graphs: AOT autograd
+names each saved value after the forward node it came from, so a saved value is placed
+as it was in the forward (joined pieces of a split value are split again); ``tangents_i``
+is the gradient of the forward's ``i``-th user output and is placed like it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from kareus.passes.placement import (
+    REPLICATE,
+    Local,
+    NodePlacement,
+    Partial,
+    PlacementResult,
+    Replicate,
+    Split,
+    Whole,
+)
+
+
+@dataclass(frozen=True)
+class ForwardInterface:
+    """What a backward graph needs from its forward: placements of saved and output values."""
+
+    placements: dict[str, NodePlacement]
+    outputs: tuple[str | None, ...]
+
+
+def forward_inputs(graph: torch.fx.Graph, static_input_idxs: Sequence[int]) -> dict[torch.fx.Node, NodePlacement]:
+    static = set(static_input_idxs)
+    inputs = list(graph.find_nodes(op="placeholder"))
+    activations = [
+        n for i, n in enumerate(inputs)
+        if i not in static and _tensor(n) is not None and _tensor(n).ndim >= 1
+        and any(u.op != "output" for u in n.users)
+    ]
+    if not activations:
+        return {}
+    batch = _tensor(activations[0]).shape[0]
+    return {n: Split(0) if _tensor(n).shape[0] == batch else REPLICATE for n in activations}
+
+
+def record_forward(graph: torch.fx.Graph, result: PlacementResult) -> ForwardInterface:
+    (output,) = graph.find_nodes(op="output")
+    outputs = tuple(a.name if isinstance(a, torch.fx.Node) else None for a in output.args[0])
+    return ForwardInterface({n.name: p for n, p in result.placements.items()}, outputs)
+
+
+def backward_inputs(graph: torch.fx.Graph, forward: ForwardInterface | None) -> dict[torch.fx.Node, NodePlacement]:
+    if forward is None:
+        return {}
+    inputs = list(graph.find_nodes(op="placeholder"))
+    tangents = [n for n in inputs if n.name.startswith("tangents")]
+    saved = [n for n in inputs if not n.name.startswith("tangents")]
+    user_outputs = forward.outputs[: len(forward.outputs) - len(saved)]
+    placements = {n: _as_input(forward.placements.get(n.name)) for n in saved}
+    for i, tangent in enumerate(tangents):
+        source = user_outputs[i] if len(tangents) == len(user_outputs) else None
+        placements[tangent] = (
+            _as_input(forward.placements.get(source)) if source is not None
+            else Whole(f"{tangent.name}: cannot tell which forward output it is the gradient of")
+        )
+    return placements
+
+
+def _as_input(p: NodePlacement | None) -> NodePlacement:
+    """A forward value as the backward receives it: whole, joined from its pieces."""
+    if p is None or isinstance(p, (Replicate, Partial, Local)):
+        # A joined sum does not depend on how the batch is split; a joined local value is
+        # nanobatch 0's attention seed, unused without dropout (which the rules refuse).
+        return REPLICATE
+    if isinstance(p, Split) and p.blocks == 1:
+        return p
+    return Whole(f"saved from the forward as {p}")
+
+
+def _tensor(node: torch.fx.Node) -> torch.Tensor | None:
+    val = node.meta.get("val")
+    return val if isinstance(val, torch.Tensor) else None
