@@ -10,15 +10,14 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-from dataclasses import dataclass
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.fx
 from torch._inductor.compile_fx import compile_fx
-
-import torch.distributed as dist
 
 from kareus import reports
 from kareus.codegen.clock import NullClockController, active_controller, set_active_controller
@@ -26,11 +25,16 @@ from kareus.codegen.lowering import lower, pinned_schedule_config
 from kareus.options import KareusOptionError, KareusOptions
 from kareus.passes.collectives import find_collectives
 from kareus.passes.frequency import insert_clock_switch
-from kareus.passes.interface import ForwardInterface, backward_inputs, forward_inputs, record_forward
+from kareus.passes.interface import (
+    ForwardInterface,
+    backward_inputs,
+    forward_inputs,
+    record_forward,
+)
 from kareus.passes.nanobatch import CannotRewrite, feasibility, nanobatch_graph
 from kareus.passes.partition import partition_graph
 from kareus.passes.placement import propagate
-from kareus.passes.variants import NANOBATCH_COUNTS, variant_space
+from kareus.passes.variants import NANOBATCH_COUNTS, Variant, VariantSpace, variant_space
 from kareus.profiler.devices import Device, Measurement, SimulatedGPU, Workload
 from kareus.profiler.devices.nvml import NvmlGPU
 from kareus.profiler.devices.resolve import resolve_device
@@ -38,6 +42,27 @@ from kareus.profiler.devices.resolve import resolve_device
 log = logging.getLogger("kareus")
 
 _regions = itertools.count()
+
+VariantChooser = Callable[[str, VariantSpace, int], Variant]
+
+
+def _earliest_slots(label: str, space: VariantSpace, k: int) -> Variant:
+    return space.default(k)
+
+
+_choose_variant: VariantChooser = _earliest_slots
+
+
+def set_variant_chooser(chooser: VariantChooser | None) -> VariantChooser:
+    """Choose the variant of each graph rewritten with k > 1 nanobatches (None: the default,
+    every collective at its earliest slot on default resources); returns the previous one.
+
+    The chooser gets the graph's label, its variant space and k, and must return the same
+    variant on every rank, or the ranks' collectives would not match.
+    """
+    global _choose_variant
+    previous, _choose_variant = _choose_variant, chooser or _earliest_slots
+    return previous
 
 
 def kareus_backend(
@@ -139,22 +164,23 @@ def run_passes(
     k = opts.nanobatches
     interface = record_forward(gm.graph, placements[max(k, 2)]) if kind == "forward" else None
     fallback = infeasible.get(k) if k > 1 else None
+    variant = None
     if k > 1 and fallback is None:
+        variant = _choose_variant(label, space, k)
         try:
             gm = nanobatch_graph(
-                gm, partitioning, collectives, placements[k], space.schedule(space.default(k)),
-                example_inputs,
+                gm, partitioning, collectives, placements[k], space.schedule(variant), example_inputs
             )
         except CannotRewrite as exc:
-            fallback = str(exc)
+            fallback, variant = str(exc), None
     insert_clock_switch(gm.graph, label)
     gm.graph.lint()
     gm.recompile()
     report = reports.GraphReport.build(
         label, kind, num_nodes, opts.lowering, collectives, partitioning,
         device=device.name, estimate=_estimate(gm, label, device),
-        nanobatches=k if k > 1 and fallback is None else 1, fallback_reason=fallback,
-        variants=space, barriers=placements[max(k, 2)].barriers,
+        nanobatches=k if variant else 1, fallback_reason=fallback,
+        variants=space, variant=variant, barriers=placements[max(k, 2)].barriers,
     )
     return PassResult(gm, report, interface)
 

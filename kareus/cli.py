@@ -20,6 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--layers", type=int, default=2)
     demo.add_argument("--sequence-parallel", action="store_true")
     demo.add_argument("--lowering", choices=("inductor", "eager"), default="inductor")
+    demo.add_argument("--nanobatches", type=int, choices=(1, 2, 4), default=2)
     demo.add_argument("--device", default="auto", help='"auto", "nvml", "nvml-dry-run", "sim:<preset>" or a GPU .json')
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -40,13 +41,13 @@ def _demo(args: argparse.Namespace) -> int:
         steps=args.steps,
         model=LlamaConfig(n_layers=args.layers),
         sequence_parallel=args.sequence_parallel,
-        options={"lowering": args.lowering, "device": args.device},
+        options={"lowering": args.lowering, "device": args.device, "nanobatches": args.nanobatches},
     )
     layout = "TP + sequence parallel" if cfg.sequence_parallel else "TP"
     console.print(
         f"[bold]kareus demo[/]: {cfg.model.n_layers}-layer Llama (dim {cfg.model.dim}), "
         f"{layout} over {cfg.world_size} gloo processes, {cfg.options['lowering']} lowering, "
-        f"device {cfg.options['device']}, "
+        f"device {cfg.options['device']}, {cfg.options['nanobatches']} nanobatches, "
         f"{cfg.steps} AdamW steps"
     )
     start = time.perf_counter()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import random
 import socket
 import tempfile
 from dataclasses import dataclass, field
@@ -34,16 +35,20 @@ class DemoConfig:
     lr: float = 3e-3
     seed: int = 0
     compare_eager: bool = False
+    # With compare_eager: compile the reference copy with these kareus options (None: eager).
+    reference_options: dict[str, object] | None = None
+    slot_seed: int | None = None  # draw every partition's launch slot at random (tests)
 
 
 @dataclass
 class RankResult:
     rank: int
     losses: list[float]
-    eager_losses: list[float]
-    max_grad_diff: list[float]  # per step, max |grad_compiled - grad_eager| over all params
+    reference_losses: list[float]
+    max_grad_diff: list[float]  # per step, max |grad_compiled - grad_reference| over all params
     clock_switches: list[tuple[str, int]]
     reports: list[object]
+    variants: list[object]  # the variant each rewritten graph ran
 
 
 def run(cfg: DemoConfig) -> list[RankResult]:
@@ -104,32 +109,42 @@ def batches(cfg: DemoConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def train(rank: int, cfg: DemoConfig) -> RankResult:
     import kareus
+    import kareus.backend
     from kareus.codegen.clock import RecordingClockController, use_controller
 
+    if cfg.slot_seed is not None:
+        kareus.backend.set_variant_chooser(
+            # seeded by the graph's label: every rank draws the same variant
+            lambda label, space, k: space.sample(random.Random(f"{cfg.slot_seed}:{label}"), k)
+        )
     model = build_model(cfg)
     compiled = torch.compile(model, backend="kareus", options=dict(cfg.options))
     reference = build_model(cfg) if cfg.compare_eager else None
+    run_reference = reference
+    if reference is not None and cfg.reference_options is not None:
+        run_reference = torch.compile(reference, backend="kareus", options=dict(cfg.reference_options))
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=cfg.lr) if reference else None
 
-    losses, eager_losses, grad_diffs = [], [], []
+    losses, reference_losses, grad_diffs = [], [], []
     recorder = RecordingClockController()
     with use_controller(recorder):
         for inputs, targets in batches(cfg):
             loss = _step(compiled, opt, inputs, targets)
             losses.append(loss)
             if reference is not None:
-                eager_losses.append(_step(reference, ref_opt, inputs, targets))
+                reference_losses.append(_step(run_reference, ref_opt, inputs, targets))
                 grad_diffs.append(_max_grad_diff(model, reference))
                 ref_opt.step()
             opt.step()
     return RankResult(
         rank=rank,
         losses=losses,
-        eager_losses=eager_losses,
+        reference_losses=reference_losses,
         max_grad_diff=grad_diffs,
         clock_switches=[(s.graph, s.mhz) for s in recorder.switches],
         reports=kareus.graph_reports(),
+        variants=[r.variant for r in kareus.graph_reports()],
     )
 
 

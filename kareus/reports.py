@@ -17,7 +17,7 @@ from rich.table import Table
 from kareus.passes.collectives import Collective
 from kareus.passes.partition import GraphPartitioning, Slot
 from kareus.passes.placement import Barrier
-from kareus.passes.variants import VariantSpace
+from kareus.passes.variants import Variant, VariantSpace
 from kareus.profiler.devices.base import Measurement
 
 
@@ -67,13 +67,14 @@ class GraphReport:
     nanobatches: int  # the count actually applied (1: unrewritten)
     fallback_reason: str | None  # why the requested count did not apply (None: it did)
     variants: VariantSpace
+    variant: Variant | None  # the point of the space that runs (None: unrewritten)
     barriers: tuple[Barrier, ...]  # where split regions end, and why
 
     @classmethod
     def build(
         cls, label: str, kind: str, num_nodes: int, lowering: str,
         collectives: list[Collective], partitioning: GraphPartitioning | None,
-        *, device: str, variants: VariantSpace, nanobatches: int = 1,
+        *, device: str, variants: VariantSpace, variant: Variant | None = None, nanobatches: int = 1,
         fallback_reason: str | None = None, barriers: tuple[Barrier, ...] = (),
         estimate: Measurement | None = None, notes: tuple[str, ...] = (),
     ) -> GraphReport:
@@ -94,6 +95,7 @@ class GraphReport:
             nanobatches=nanobatches,
             fallback_reason=fallback_reason,
             variants=variants,
+            variant=variant,
             barriers=barriers,
         )
 
@@ -138,6 +140,8 @@ def report_table(report: GraphReport) -> Table:
         f"\nnanobatches applied: {report.nanobatches}; variant space: k in "
         f"{{{', '.join(map(str, space.nanobatches))}}}, {space.size():,} variants"
     )
+    if report.variant is not None:
+        title += f"; launch slots {list(report.variant.slots)}"
     table = Table(title=title, title_justify="left")
     for column in ("collective", "kind", "group", "payload", "partition key", "launch slots", "resources"):
         table.add_column(column, overflow="fold")

@@ -6,6 +6,7 @@ import textwrap
 
 import pytest
 import torch
+from conftest import tp_llama
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._inductor.compile_fx import compile_fx
 from torch._inductor.utils import run_and_get_code
@@ -13,7 +14,6 @@ from torch.testing import FileCheck
 
 import kareus
 import kareus.backend
-from conftest import tp_llama
 from kareus.codegen.clock import RecordingClockController, use_controller
 from kareus.codegen.runtime_ops import set_clock
 

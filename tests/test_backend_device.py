@@ -2,13 +2,13 @@
 
 import pytest
 import torch
+from conftest import tp_llama
+from fake_pynvml import FakeNvml
 
 import kareus
 import kareus.backend
-from conftest import tp_llama
 from kareus.codegen.clock import NullClockController, active_controller, set_active_controller
 from kareus.profiler.devices.errors import NvmlUnavailableError
-from fake_pynvml import FakeNvml
 from kareus.profiler.devices.nvml import NvmlGPU
 
 

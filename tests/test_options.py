@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 
 from kareus.options import KareusOptionError, KareusOptions, parse_options
@@ -43,7 +45,7 @@ def test_bad_options_name_key_value_and_accepted(options, message):
 
 
 def test_options_are_frozen():
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         KareusOptions().lowering = "eager"
 
 

@@ -36,6 +36,7 @@ from kareus.passes.placement import (
     Split,
     Whole,
     per_nanobatch,
+    sliced_dim,
 )
 
 aten = torch.ops.aten
@@ -91,6 +92,7 @@ class _Emitter:
         self.pieces: dict[torch.fx.Node, list[torch.fx.Node | None]] = {}
         self.joined: dict[torch.fx.Node, torch.fx.Node] = {}
         self.deferred_waits: set[tuple[torch.fx.Node, int]] = set()
+        self.slices: dict[tuple[torch.fx.Node, int], list[torch.fx.Node]] = {}
 
     # -- values -----------------------------------------------------------------------
 
@@ -234,7 +236,7 @@ class _Emitter:
         return self.graph.node_copy(node, self.whole)
 
     def _copy(self, node: torch.fx.Node, j: int, group_name: str | None = None) -> torch.fx.Node:
-        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: self.piece(a, j))
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: self._operand(node, a, j))
         args = resize_args(node, args, self.placements[node], self.k)
         if group_name is not None:
             args = _with_group(node, args, group_name)
@@ -246,6 +248,27 @@ class _Emitter:
             # weight gradient are not all kept until the end of the graph.
             self.whole(node)
         return new
+
+    def _operand(self, node: torch.fx.Node, arg: torch.fx.Node, j: int) -> torch.fx.Node:
+        """Nanobatch ``j``'s operand; a replicated operand of an elementwise op that spans
+        the split dim is sliced like the split operands (see ``placement.sliced_dim``)."""
+        p = self.placements[node]
+        if (
+            isinstance(p, Split)
+            and isinstance(self.placements[arg], Replicate)
+            and _is_pointwise(node)
+            and (dim := sliced_dim(arg, p, len(_shape(node)))) not in (None, -1)
+        ):
+            key = (arg, dim)
+            if key not in self.slices:
+                whole = self.whole(arg)
+                size = _shape(arg)[dim] // self.k
+                self.slices[key] = [
+                    self.graph.call_function(aten.slice.Tensor, (whole, dim, i * size, (i + 1) * size))
+                    for i in range(self.k)
+                ]
+            return self.slices[key][j]
+        return self.piece(arg, j)
 
     def _needed_whole(self, node: torch.fx.Node) -> bool:
         return any(u.op == "output" or not per_nanobatch(self.placements[u]) for u in node.users)
@@ -287,6 +310,10 @@ def _value_shape(node: torch.fx.Node, p: NodePlacement, q: Split) -> int | None:
 
 
 _getitem = operator.getitem
+
+
+def _is_pointwise(node: torch.fx.Node) -> bool:
+    return isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags
 
 
 def _shape(node: torch.fx.Node) -> tuple[int, ...]:

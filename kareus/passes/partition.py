@@ -139,9 +139,12 @@ def is_free(node: torch.fx.Node) -> bool:
 
 
 def _is_compute(node: torch.fx.Node) -> bool:
-    return node.op in ("call_function", "call_method", "call_module") and not (
-        is_collective(node) or is_wait(node)
-    )
+    """Not a placeholder, collective, wait, or an element of a coalesced collective's result."""
+    if node.op not in ("call_function", "call_method", "call_module"):
+        return False
+    if node.target is operator.getitem and is_collective(node.args[0]):
+        return False
+    return not (is_collective(node) or is_wait(node))
 
 
 def _assign_segments(

@@ -200,12 +200,22 @@ def _pointwise(ctx: _Ctx) -> NodePlacement | str:
         return f"elementwise inputs split along different dims ({sorted(placements, key=str)})"
     (split,) = placements
     for a in tensors:
-        if a not in splits:
-            shape = _shape(a.meta.get("val"))
-            aligned = split.dim - (out_ndim - len(shape))
-            if 0 <= aligned < len(shape) and shape[aligned] != 1:
-                return f"{a.name} has the batch dim but is not split"
+        if a not in splits and sliced_dim(a, split, out_ndim) is None:
+            return f"{a.name} is replicated but not broadcast along the split dim"
     return split
+
+
+def sliced_dim(arg: torch.fx.Node, split: Split, out_ndim: int) -> int | None:
+    """The dim of a replicated elementwise operand to slice per nanobatch (-1: broadcast).
+
+    A replicated operand as long as the split dim (a dropout mask drawn once for the
+    whole batch) is sliced like the split operands; one of size 1 there broadcasts.
+    """
+    shape = _shape(arg.meta.get("val"))
+    aligned = split.dim - (out_ndim - len(shape))
+    if not 0 <= aligned < len(shape) or shape[aligned] == 1:
+        return -1
+    return aligned if split.blocks == 1 else None
 
 
 _LINEAR = {
@@ -219,9 +229,10 @@ def _linear_partial(ctx: _Ctx, partial: list[torch.fx.Node], has_split: bool) ->
     target = ctx.node.target
     if has_split or target not in _LINEAR:
         return f"{target} is not linear in a partial sum"
-    tensors = ctx.node.all_input_nodes
     if target in (aten.add.Tensor, aten.sub.Tensor):
-        return PARTIAL if len(partial) == len(tensors) else "partial sum plus a replicated value"
+        operands = ctx.node.args[:2]
+        both = all(isinstance(a, torch.fx.Node) and a in partial for a in operands)
+        return PARTIAL if both else "partial sum plus a replicated value"
     if len(partial) > 1 or (target is aten.div.Tensor and ctx.node.args[0] is not partial[0]):
         return "product of partial sums"
     return PARTIAL

@@ -4,9 +4,9 @@ from collections import Counter
 
 import pytest
 import torch
+from conftest import tp_llama
 
 import kareus
-from conftest import tp_llama
 
 LAYERS = 4
 
