@@ -478,6 +478,12 @@ def _other_reduction(ctx: _Ctx) -> NodePlacement | str:
     return _reduction(ctx, linear=False)
 
 
+@_rule(aten.var_mean)
+def _var_mean(ctx: _Ctx) -> NodePlacement | str:
+    result = _reduction(ctx, linear=False)
+    return result if isinstance(result, str) else (result, result)
+
+
 @_rule(aten._softmax, aten._log_softmax)
 def _softmax(ctx: _Ctx) -> NodePlacement | str:
     p = ctx.pl(ctx.node.args[0])
@@ -541,12 +547,36 @@ def _embedding_backward(ctx: _Ctx) -> NodePlacement | str:
     return PARTIAL if ok else "embedding backward of unsplit gradients"
 
 
+@_rule(aten._unsafe_masked_index_put_accumulate)
+def _masked_accumulate(ctx: _Ctx) -> NodePlacement | str:
+    return _accumulate_into_zeros(ctx, ctx.node.args[0], [ctx.node.args[1], *ctx.node.args[2], ctx.node.args[3]])
+
+
+def _accumulate_into_zeros(ctx: _Ctx, base: object, operands: list[object]) -> NodePlacement | str:
+    """Scatter-adding the batch into zeros (an embedding's weight gradient) is a partial sum:
+    each nanobatch scatters its rows into its own zeros, and the results add up."""
+    zeros = (
+        isinstance(base, torch.fx.Node)
+        and base.target is aten.full.default
+        and base.args[1] == 0
+        and isinstance(ctx.pl(base), Replicate)
+    )
+    if not zeros:
+        return "accumulation into a tensor other than fresh zeros"
+    if any(ctx.pl(o) != Split(0) for o in operands if isinstance(o, torch.fx.Node)):
+        return "accumulation of indices and values not split along their leading dim"
+    return PARTIAL
+
+
 @_rule(aten.index_put)
 def _index_put(ctx: _Ctx) -> NodePlacement | str:
-    """``x[mask] = value`` with a boolean mask split like ``x`` and a replicated value."""
+    """``x[mask] = value`` with a boolean mask split like ``x`` and a replicated value; or
+    a scatter-add of the batch into zeros."""
     x, indices, values = ctx.node.args[:3]
+    if ctx.arg("accumulate", 3, False):
+        return _accumulate_into_zeros(ctx, x, [*indices, values])
     p = ctx.pl(x)
-    if ctx.arg("accumulate", 3, False) or not isinstance(p, Split) or len(indices) != 1:
+    if not isinstance(p, Split) or len(indices) != 1:
         return "index_put other than a masked fill"
     (mask,) = indices
     mask_val = mask.meta.get("val") if isinstance(mask, torch.fx.Node) else None

@@ -97,9 +97,10 @@ def _run(model, x, nanobatches, lowering="eager", seed=0):
 
 
 @pytest.mark.parametrize("lowering", ["eager", "inductor"])
-def test_rewritten_block_matches_unrewritten(fake_pg, lowering):
+@pytest.mark.parametrize("norm", [False, True], ids=["plain", "layernorm"])
+def test_rewritten_block_matches_unrewritten(fake_pg, lowering, norm):
     torch.manual_seed(0)
-    model, x = AllReduceMLP(), torch.randn(4, 6, 8)
+    model, x = AllReduceMLP(before=torch.nn.LayerNorm(16) if norm else None), torch.randn(4, 6, 8)
     ref_out, ref_grads = _run(model, x, 1, lowering)
     kareus.clear_graph_reports()
     out, grads = _run(model, x, 4, lowering)
