@@ -48,7 +48,7 @@ def rotary_tables(cfg: LlamaConfig) -> tuple[torch.Tensor, torch.Tensor]:
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE on ``x`` of shape (batch, seq, heads, head_dim)."""
     seq = x.shape[1]
-    cos, sin = cos[:seq, None, :], sin[:seq, None, :]
+    cos, sin = cos[:seq, None, :].to(x.dtype), sin[:seq, None, :].to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 

@@ -217,14 +217,10 @@ def test_unsupported_collective_is_named(group):
 
 
 @pytest.fixture
-def set_clock() -> Iterator[torch._ops.OpOverload]:
-    """``kareus::set_clock``: the real op when codegen defined it, else a scoped stand-in."""
-    if hasattr(torch.ops.kareus, "set_clock"):
-        yield torch.ops.kareus.set_clock.default
-        return
-    with torch.library._scoped_library("kareus", "FRAGMENT") as lib:
-        lib.define("set_clock(str graph, int mhz) -> ()")
-        yield torch.ops.kareus.set_clock.default
+def set_clock() -> torch._ops.OpOverload:
+    from kareus.codegen.runtime_ops import set_clock
+
+    return set_clock
 
 
 def with_clocks(gm: torch.fx.GraphModule, op, *mhz_before_node: tuple[int, int]):
