@@ -140,6 +140,18 @@ def test_explain_prints_a_table_and_logs(fake_pg, capsys, caplog):
     )
 
 
+def test_reports_serialise(fake_pg):
+    import json
+
+    torch.compile(tp_llama(1), backend="kareus", options={"lowering": "eager"})(torch.randint(0, 256, (4, 8)))
+    (report,) = kareus.graph_reports()
+    data = json.loads(json.dumps(report.to_dict(), default=str))
+    assert data["kind"] == "forward" and data["nanobatches"] == 1
+    assert [c["kind"] for c in data["collectives"]] == ["all_reduce", "all_reduce", "all_reduce", "all_gather"]
+    assert data["partitions"][1]["slots"][1]["kind"] == "matmul"
+    assert data["variants"]["nanobatches"] == [1, 2, 4]
+
+
 def test_no_table_without_explain(fake_pg, capsys):
     torch.compile(tp_llama(1), backend="kareus", options={"lowering": "eager"})(torch.randint(0, 256, (2, 8)))
     assert "launch slots" not in capsys.readouterr().out
