@@ -22,8 +22,9 @@ from torch._inductor.compile_fx import compile_fx
 from kareus import reports
 from kareus.codegen.clock import NullClockController, active_controller, set_active_controller
 from kareus.codegen.lowering import lower, pinned_schedule_config
+from kareus.consensus import agree
 from kareus.options import KareusOptionError, KareusOptions
-from kareus.passes.collectives import find_collectives
+from kareus.passes.collectives import Collective, find_collectives
 from kareus.passes.frequency import insert_clock_switch
 from kareus.passes.interface import (
     ForwardInterface,
@@ -31,9 +32,9 @@ from kareus.passes.interface import (
     forward_inputs,
     record_forward,
 )
-from kareus.passes.nanobatch import CannotRewrite, feasibility, nanobatch_graph
-from kareus.passes.partition import partition_graph
-from kareus.passes.placement import propagate
+from kareus.passes.nanobatch import CannotRewrite, Schedule, feasibility, nanobatch_graph
+from kareus.passes.partition import GraphPartitioning, partition_graph
+from kareus.passes.placement import PlacementResult, propagate
 from kareus.passes.variants import NANOBATCH_COUNTS, Variant, VariantSpace, variant_space
 from kareus.profiler.devices import Device, Measurement, SimulatedGPU, Workload
 from kareus.profiler.devices.nvml import NvmlGPU
@@ -165,14 +166,10 @@ def run_passes(
     interface = record_forward(gm.graph, placements[max(k, 2)]) if kind == "forward" else None
     fallback = infeasible.get(k) if k > 1 else None
     variant = None
-    if k > 1 and fallback is None:
-        variant = _choose_variant(label, space, k)
-        try:
-            gm = nanobatch_graph(
-                gm, partitioning, collectives, placements[k], space.schedule(variant), example_inputs
-            )
-        except CannotRewrite as exc:
-            fallback, variant = str(exc), None
+    if k > 1:
+        gm, variant, fallback = _apply_nanobatches(
+            gm, example_inputs, label, k, fallback, partitioning, collectives, placements[k], space
+        )
     insert_clock_switch(gm.graph, label)
     gm.graph.lint()
     gm.recompile()
@@ -183,6 +180,42 @@ def run_passes(
         variants=space, variant=variant, barriers=placements[max(k, 2)].barriers,
     )
     return PassResult(gm, report, interface)
+
+
+def _apply_nanobatches(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    label: str,
+    k: int,
+    fallback: str | None,
+    partitioning: GraphPartitioning,
+    collectives: Sequence[Collective],
+    placements: PlacementResult,
+    space: VariantSpace,
+) -> tuple[torch.fx.GraphModule, Variant | None, str | None]:
+    """The graph in ``k`` nanobatches, the variant that runs, or the graph and why not.
+
+    Every rank must run the same collectives: the ranks compare their decisions before
+    any takes effect. Sub-communicators for resource caps are created (a collective call)
+    only after that, so no rank creates one alone.
+    """
+    variant = rewritten = None
+    if fallback is None:
+        variant = _choose_variant(label, space, k)
+        slots_only = Schedule(k, variant.slots, (None,) * len(variant.slots))
+        try:
+            rewritten = nanobatch_graph(gm, partitioning, collectives, placements, slots_only, example_inputs)
+        except CannotRewrite as exc:
+            fallback = str(exc)
+    if not agree((label, None if fallback else variant), (c.group_name for c in collectives)):
+        fallback = "the ranks of the group decided differently; every rank runs it unrewritten"
+    if fallback:
+        return gm, None, fallback
+    if any(cap is not None for cap in variant.resources):
+        rewritten = nanobatch_graph(
+            gm, partitioning, collectives, placements, space.schedule(variant), example_inputs
+        )
+    return rewritten, variant, None
 
 
 def _estimate(gm: torch.fx.GraphModule, label: str, device: Device) -> Measurement | None:
