@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 
@@ -27,7 +28,10 @@ def agree(decision: object, group_names: Iterable[str]) -> bool:
         if group.size() == 1 or dist.get_backend(group) == "fake":
             continue
         gathered: list[object] = [None] * group.size()
-        dist.all_gather_object(gathered, decision, group=group)
+        # Called while compiling, under the compiler's fake-tensor mode: the exchange
+        # needs real tensors.
+        with unset_fake_temporarily():
+            dist.all_gather_object(gathered, decision, group=group)
         if any(other != decision for other in gathered):
             return False
     return True
