@@ -501,7 +501,7 @@ def _softmax_backward(ctx: _Ctx) -> NodePlacement | str:
 # -- attention ----------------------------------------------------------------------------
 
 
-def _attention(outputs: Sequence[str], tensors: int, dropout_index: int) -> Rule:
+def _attention(outputs: Sequence[str], tensors: int, dropout_index: int, bias_index: int | None = None) -> Rule:
     """Attention kernels are batched over dim 0 of q, k, v (and of their gradients)."""
 
     def rule(ctx: _Ctx) -> NodePlacement | str:
@@ -510,12 +510,22 @@ def _attention(outputs: Sequence[str], tensors: int, dropout_index: int) -> Rule
         ps = [ctx.pl(a) for a in ctx.node.args[:tensors]]
         if any(p != Split(0) for p in ps if not isinstance(p, Local)):
             return "attention inputs not split along the batch dim"
-        mask = ctx.node.kwargs.get("attn_mask")
-        if mask is not None and not isinstance(ctx.pl(mask), Replicate):
-            return "attention mask is not replicated"
+        bias = ctx.node.kwargs.get("attn_mask")
+        if bias_index is not None:
+            bias = ctx.arg("attn_bias", bias_index, None)
+        if bias is not None and not _broadcast_over_batch(ctx, bias):
+            return "attention mask or bias that varies over the batch"
         return tuple({"split": Split(0), "local": LOCAL}[o] for o in outputs)
 
     return rule
+
+
+def _broadcast_over_batch(ctx: _Ctx, mask: object) -> bool:
+    """A replicated mask of (batch, heads, q, k) layout of size 1 along the batch, or of fewer dims."""
+    if not isinstance(mask, torch.fx.Node) or not isinstance(ctx.pl(mask), Replicate):
+        return False
+    shape = _shape(mask.meta.get("val"))
+    return len(shape) < 4 or shape[0] == 1
 
 
 RULES[aten._scaled_dot_product_flash_attention_for_cpu.default] = _attention(["split"] * 2, 3, 3)
@@ -525,7 +535,7 @@ RULES[aten._scaled_dot_product_flash_attention.default] = _attention(
 )
 RULES[aten._scaled_dot_product_flash_attention_backward.default] = _attention(["split"] * 3, 6, 10)
 RULES[aten._scaled_dot_product_efficient_attention.default] = _attention(
-    ["split", "split", "local", "local"], 3, 5
+    ["split", "split", "local", "local"], 3, 5, bias_index=3
 )
 
 

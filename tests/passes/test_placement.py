@@ -100,3 +100,21 @@ def test_partition_alone_runs_and_costs_on_one_nanobatch(fake_pg):
 def _static_inputs(graph):
     """Parameters: every input but the tokens (the first) in this model's forward."""
     return list(range(1, len(list(graph.find_nodes(op="placeholder")))))
+
+
+@pytest.mark.parametrize("mask_batch, split", [(1, True), (4, False)])
+def test_attention_splits_unless_its_mask_varies_over_the_batch(mask_batch, split):
+    import torch.nn.functional as F
+
+    q = torch.randn(4, 2, 8, 16)
+    mask = torch.randn(mask_batch, 1, 8, 8)
+    gm, p, result = _placements(
+        lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m), q, q, q, mask,
+        split_inputs=(0, 1, 2),
+    )
+    (attention,) = [n for n in gm.graph.nodes if "attention" in str(n.target)]
+    if split:
+        assert p[attention.name][0] == Split(0) and result.barriers == ()
+    else:
+        assert isinstance(p[attention.name], Whole)
+        assert "varies over the batch" in result.barriers[0].reason
