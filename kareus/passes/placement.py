@@ -553,8 +553,9 @@ def _embedding_backward(ctx: _Ctx) -> NodePlacement | str:
     grad, indices = ctx.pl(ctx.node.args[0]), ctx.pl(ctx.node.args[1])
     if ctx.arg("scale_grad_by_freq", 4, False):
         return "embedding backward scaled by frequency"
-    ok = isinstance(grad, Split) and isinstance(indices, Split) and grad.blocks == indices.blocks == 1
-    return PARTIAL if ok else "embedding backward of unsplit gradients"
+    # grad is indices' shape plus the embedding dim: the same split pairs rows with ids
+    ok = isinstance(grad, Split) and grad == indices and grad.blocks == 1
+    return PARTIAL if ok else "embedding backward of unsplit or misaligned gradients"
 
 
 @_rule(aten._unsafe_masked_index_put_accumulate)
