@@ -13,11 +13,13 @@ from torch._inductor.compile_fx import compile_fx_inner
 
 # Inductor passes that move collectives or reorder nodes across the whole graph. kareus
 # decides where communication is issued and where clocks switch, so they are turned off
-# (REFERENCE.md section 5: 2.14 enables overlap scheduling by default).
+# (REFERENCE.md section 5: 2.14 enables simple_overlap by default; keys a torch release
+# does not have are skipped).
 _REORDERING_PASSES = {
     "reorder_for_compute_comm_overlap": False,
     "reorder_for_peak_memory": False,
     "aten_distributed_optimizations.enable_overlap_scheduling": False,
+    "aten_distributed_optimizations.enable_simple_overlap": False,
 }
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx
+from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from kareus.passes.collectives import Collective
@@ -227,8 +228,16 @@ class _Emitter:
         p = self.placements[node]
         if isinstance(p, Split):
             size = _shape(node)[p.dim] // self.k
+            base = new
+            if not is_non_overlapping_and_dense_or_false(node.meta["val"]):
+                # Inductor (2.12-2.14) misses that a slice of a padded input overlaps the
+                # input and may reinplace a later write into the caller's tensor: slice a
+                # dense copy instead (only of such inputs: permuted dense ones are fine).
+                base = self.graph.call_function(
+                    aten.clone.default, (new,), {"memory_format": torch.contiguous_format}
+                )
             self.pieces[node] = [
-                self.graph.call_function(aten.slice.Tensor, (new, p.dim, j * size, (j + 1) * size))
+                self.graph.call_function(aten.slice.Tensor, (base, p.dim, j * size, (j + 1) * size))
                 for j in range(self.k)
             ]
 

@@ -250,7 +250,7 @@ def canonical_order(segment: Sequence[torch.fx.Node]) -> list[torch.fx.Node]:
     depth: dict[torch.fx.Node, int] = {}
     for node in segment:  # graph order is topological
         inputs = [depth[i] for i in node.all_input_nodes if i in members]
-        depth[node] = max(inputs, default=0) + (0 if is_free(node) else 1)
+        depth[node] = max(inputs, default=0) + (0 if _key_transparent(node) else 1)
     waiting = {n: sum(1 for i in n.all_input_nodes if i in members) for n in segment}
     ready = [(depth[n], digest[n], i, n) for i, n in enumerate(segment) if waiting[n] == 0]
     heapq.heapify(ready)
@@ -273,11 +273,28 @@ def _node_hashes(segment: Sequence[torch.fx.Node]) -> dict[torch.fx.Node, str]:
     for node in segment:  # graph order is topological
         token = (
             _ref(node, members, digest.__getitem__)
-            if is_free(node)
+            if _key_transparent(node)
             else _token(node, lambda a: _ref(a, members, digest.__getitem__))
         )
         digest[node] = hashlib.sha1(repr(token).encode()).hexdigest()
     return digest
+
+
+_SCALAR_IDENTITY_OPS = frozenset([aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor])
+
+
+def _key_transparent(node: torch.fx.Node) -> bool:
+    """Free, or arithmetic with a Python number (which Inductor drops when it is 0 or 1).
+
+    torch 2.14's ``remove_no_ops`` (joint graph) removes ``x - 0``: a vocab-parallel
+    embedding's offset is 0 on rank 0 only, so such ops must not enter the key or the
+    canonical order, which every rank must derive alike.
+    """
+    if is_free(node):
+        return True
+    return node.target in _SCALAR_IDENTITY_OPS and any(
+        isinstance(a, (int, float)) and not isinstance(a, bool) for a in node.args
+    )
 
 
 def _ref(
@@ -292,9 +309,9 @@ def _ref(
     outside the partition.
     """
     node = arg
-    while node in members and is_free(node) and node.all_input_nodes:
+    while node in members and _key_transparent(node) and node.all_input_nodes:
         node = node.all_input_nodes[0]
-    source = ident(node) if node in members and not is_free(node) else "in"
+    source = ident(node) if node in members and not _key_transparent(node) else "in"
     return (source, _tensor_sig(arg))
 
 
@@ -323,7 +340,7 @@ def structural_key(ordered: Sequence[torch.fx.Node], coll: Collective) -> str:
     produced outside the partition are described by their shape and dtype only.
     """
     members = set(ordered)
-    work = [n for n in ordered if not is_free(n)]
+    work = [n for n in ordered if not _key_transparent(n)]
     local = {n: i for i, n in enumerate(work)}
 
     def ref(arg: torch.fx.Node) -> object:

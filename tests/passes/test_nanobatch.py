@@ -203,3 +203,13 @@ def test_variant_space_is_enumerable(fake_pg):
         from kareus.codegen.comm_groups import capped_group
 
         capped_group(dist.group.WORLD.group_name, 8)
+
+
+def test_split_inputs_of_the_caller_are_never_written(fake_pg):
+    """Token ids in a padded (non-dense) tensor: Inductor must not reinplace into them."""
+    model = torch.compile(tp_llama(2), backend="kareus", options={"nanobatches": 4})
+    tokens = torch.randint(0, 256, (4, 17))[:, :-1]
+    before = tokens.clone()
+    model(tokens)
+    assert kareus.graph_reports()[0].nanobatches == 4
+    assert torch.equal(tokens, before)
