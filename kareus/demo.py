@@ -48,7 +48,6 @@ class RankResult:
     max_grad_diff: list[float]  # per step, max |grad_compiled - grad_reference| over all params
     clock_switches: list[tuple[str, int]]
     reports: list[object]
-    variants: list[object]  # the variant each rewritten graph ran
 
 
 def run(cfg: DemoConfig) -> list[RankResult]:
@@ -144,7 +143,6 @@ def train(rank: int, cfg: DemoConfig) -> RankResult:
         max_grad_diff=grad_diffs,
         clock_switches=[(s.graph, s.mhz) for s in recorder.switches],
         reports=kareus.graph_reports(),
-        variants=[r.variant for r in kareus.graph_reports()],
     )
 
 

@@ -248,7 +248,7 @@ class _Emitter:
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: self._operand(node, a, j))
         args = resize_args(node, args, self.placements[node], self.k)
         if group_name is not None:
-            args = _with_group(node, args, group_name)
+            args = with_group(node, args, group_name)
         new = self.graph.create_node(node.op, node.target, args, kwargs)
         new.meta.update({k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")})
         self.pieces.setdefault(node, [None] * self.k)[j] = new
@@ -357,7 +357,7 @@ def _placement_dim(p: tuple) -> int | None:
     return dims.pop() if len(dims) == 1 else None
 
 
-def _with_group(node: torch.fx.Node, args: tuple, group_name: str) -> tuple:
+def with_group(node: torch.fx.Node, args: tuple, group_name: str) -> tuple:
     """The same collective issued on another process group (a resource-capped one)."""
     names = [a.name for a in node.target._schema.arguments]
     index = names.index("group_name")

@@ -18,7 +18,7 @@ import torch.fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from kareus.codegen.comm_groups import capped_group, resource_choices
-from kareus.passes.nanobatch import Schedule, resize_args
+from kareus.passes.nanobatch import Schedule, resize_args, with_group
 from kareus.passes.partition import GraphPartitioning, Partition
 from kareus.passes.placement import NodePlacement, PlacementResult, Split, Whole, per_nanobatch
 from kareus.profiler.devices.base import Workload
@@ -148,9 +148,7 @@ def partition_workload(
     def issue() -> torch.fx.Node:
         args = torch.fx.node.map_arg(coll.node.args, lambda a: other)
         if group_name is not None:
-            names = [a.name for a in coll.node.target._schema.arguments]
-            index = names.index("group_name")
-            args = (*args[:index], group_name, *args[index + 1 :])
+            args = with_group(coll.node, args, group_name)
         return graph.call_function(coll.waits[0].target, (graph.call_function(coll.node.target, args),))
 
     waited = None
