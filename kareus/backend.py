@@ -7,9 +7,11 @@ at the first backward call); each goes through the pass pipeline and is lowered.
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import logging
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +23,7 @@ from torch._inductor.compile_fx import compile_fx
 
 from kareus import reports
 from kareus.codegen.clock import NullClockController, active_controller, set_active_controller
+from kareus.codegen.comm_groups import exclusive_kinds
 from kareus.codegen.lowering import lower, pinned_schedule_config
 from kareus.consensus import agree
 from kareus.options import KareusOptionError, KareusOptions
@@ -33,8 +36,9 @@ from kareus.passes.interface import (
     record_forward,
 )
 from kareus.passes.nanobatch import CannotRewrite, Schedule, feasibility, nanobatch_graph
-from kareus.passes.partition import GraphPartitioning, partition_graph
-from kareus.passes.placement import PlacementResult, propagate
+from kareus.passes.ops import OP_TABLE
+from kareus.passes.partition import GraphPartitioning, graph_hash, partition_graph
+from kareus.passes.placement import PlacementResult, per_nanobatch, propagate
 from kareus.passes.variants import NANOBATCH_COUNTS, Variant, VariantSpace, variant_space
 from kareus.profiler.devices import Device, Measurement, SimulatedGPU, Workload
 from kareus.profiler.devices.nvml import NvmlGPU
@@ -151,35 +155,56 @@ def run_passes(
     num_nodes = len(gm.graph.nodes)
     collectives = find_collectives(gm.graph)
     partitioning = partition_graph(gm.graph, collectives)
-    inputs = (
-        backward_inputs(gm.graph, forward)
-        if kind == "backward"
-        else forward_inputs(gm.graph, static_input_idxs)
-    )
-    placements = {k: propagate(gm.graph, inputs, k) for k in NANOBATCH_COUNTS[1:]}
+    symbolic = symbolic_shapes(gm.graph)
+    if symbolic:
+        # Placement reads sizes; on symbolic ones that would add guards and specialise the
+        # graph (a recompile per batch size), so such a graph is not split at all.
+        inputs: dict = {}
+    elif kind == "backward":
+        inputs = backward_inputs(gm.graph, forward)
+    else:
+        inputs = forward_inputs(gm.graph, static_input_idxs)
+    placements = {k: propagate(gm.graph, inputs, k, OP_TABLE) for k in NANOBATCH_COUNTS[1:]}
     infeasible = {
-        k: why for k, result in placements.items()
-        if (why := feasibility(gm.graph, result, k, collectives))
+        k: symbolic or why for k, result in placements.items()
+        if symbolic or (why := feasibility(gm.graph, result, k, collectives))
     }
     space = variant_space(partitioning, placements[2], infeasible)
     k = opts.nanobatches
     interface = record_forward(gm.graph, placements[max(k, 2)]) if kind == "forward" else None
     fallback = infeasible.get(k) if k > 1 else None
-    variant = None
-    if k > 1:
-        gm, variant, fallback = _apply_nanobatches(
-            gm, example_inputs, label, k, fallback, partitioning, collectives, placements[k], space
-        )
+    gm, variant, fallback = _apply_nanobatches(
+        gm, example_inputs, label, k, fallback, partitioning, collectives,
+        placements[max(k, 2)], space, opts.agreement_timeout_s,
+    )
     insert_clock_switch(gm.graph, label)
     gm.graph.lint()
     gm.recompile()
+    estimate, not_costed = _estimate(gm, label, device)
     report = reports.GraphReport.build(
         label, kind, num_nodes, opts.lowering, collectives, partitioning,
-        device=device.name, estimate=_estimate(gm, label, device),
+        device=device.name, estimate=estimate, notes=(not_costed,) if not_costed else (),
         nanobatches=k if variant else 1, fallback_reason=fallback,
         variants=space, variant=variant, barriers=placements[max(k, 2)].barriers,
+        split_collectives=sum(
+            per_nanobatch(placements[max(k, 2)].placements[c.node]) for c in collectives
+        ),
     )
     return PassResult(gm, report, interface)
+
+
+def symbolic_shapes(graph: torch.fx.Graph) -> str | None:
+    """Why ``graph`` is not split because its inputs have symbolic sizes (None: they don't)."""
+    for node in graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        if isinstance(val, torch.SymInt) or (
+            isinstance(val, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in val.shape)
+        ):
+            return (
+                f"{node.name} has symbolic sizes (dynamic shapes): kareus splits only graphs "
+                "of static shapes, so that it never specialises a dynamic graph"
+            )
+    return None
 
 
 def _apply_nanobatches(
@@ -192,35 +217,64 @@ def _apply_nanobatches(
     collectives: Sequence[Collective],
     placements: PlacementResult,
     space: VariantSpace,
+    timeout_s: float,
 ) -> tuple[torch.fx.GraphModule, Variant | None, str | None]:
     """The graph in ``k`` nanobatches, the variant that runs, or the graph and why not.
 
-    Every rank must run the same collectives: the ranks compare their decisions before
-    any takes effect. Sub-communicators for resource caps are created (a collective call)
-    only after that, so no rank creates one alone.
+    Every rank must run the same collectives: the ranks of the graph's collectives compare
+    their decisions (through the store, never a collective: ``consensus.agree``) before any
+    takes effect, also where this rank asked for no rewrite. Sub-communicators for resource
+    caps are created (a collective call) only after that, so no rank creates one alone.
     """
     variant = rewritten = None
-    if fallback is None:
+    if k > 1 and fallback is None:
         variant = _choose_variant(label, space, k)
         slots_only = Schedule(k, variant.slots, (None,) * len(variant.slots))
         try:
-            rewritten = nanobatch_graph(gm, partitioning, collectives, placements, slots_only, example_inputs)
+            rewritten = nanobatch_graph(
+                gm, partitioning, collectives, placements, slots_only, example_inputs, exclusive_kinds
+            )
         except CannotRewrite as exc:
-            fallback = str(exc)
-    if not agree((label, None if fallback else variant), (c.group_name for c in collectives)):
-        fallback = "the ranks of the group decided differently; every rank runs it unrewritten"
-    if fallback:
+            fallback, variant = str(exc), None
+    if collectives:
+        verdict = agree(
+            _agreement_key(graph_hash(gm.graph)), variant, (c.group_name for c in collectives),
+            timeout_s=timeout_s,
+        )
+        if not verdict:
+            fallback = f"the ranks did not confirm one decision ({verdict.reason}); runs unrewritten"
+    if variant is None or fallback:
         return gm, None, fallback
     if any(cap is not None for cap in variant.resources):
         rewritten = nanobatch_graph(
-            gm, partitioning, collectives, placements, space.schedule(variant), example_inputs
+            gm, partitioning, collectives, placements, space.schedule(variant), example_inputs,
+            exclusive_kinds,
         )
     return rewritten, variant, None
 
 
-def _estimate(gm: torch.fx.GraphModule, label: str, device: Device) -> Measurement | None:
-    """Modelled time and energy at the default clock; only a simulated GPU can tell at compile time."""
+_compiles_of: collections.Counter[str] = collections.Counter()
+_compiles_lock = threading.Lock()
+
+
+def _agreement_key(graph: str) -> str:
+    """The graph's hash and how often this process compiled it before: the n-th compile
+    of a graph on one rank pairs with the n-th on the others (a program compiled twice
+    with other options agrees afresh; a rank that compiled it once more than the others
+    times out there, and its peers then fall back too, at the same compile)."""
+    with _compiles_lock:
+        _compiles_of[graph] += 1
+        return f"{graph}.{_compiles_of[graph]}"
+
+
+def _estimate(gm: torch.fx.GraphModule, label: str, device: Device) -> tuple[Measurement | None, str | None]:
+    """Modelled time and energy at the default clock (only a simulated GPU can tell at
+    compile time), or why the graph could not be costed: an estimate never fails a compile."""
     if not isinstance(device, SimulatedGPU):
-        return None
+        return None, None
     world = dist.get_world_size() if dist.is_initialized() else 1
-    return device.measure(Workload(label, gm=gm, world_size=world), device.search_clocks()[0])
+    try:
+        return device.measure(Workload(label, gm=gm, world_size=world), device.search_clocks()[0]), None
+    except Exception as exc:  # noqa: BLE001 - any model failure is reported, not raised
+        log.warning("%s: %s cannot cost this graph: %s", label, device.name, exc)
+        return None, f"{device.name} cannot cost this graph: {type(exc).__name__}: {exc}"

@@ -65,6 +65,10 @@ def _demo(args: argparse.Namespace) -> int:
         table.add_row(str(step), f"{loss:.4f}", "█" * max(1, round(50 * loss / top)))
     console.print(table)
     console.print(
+        "collectives kept split into nanobatches (rank 0): "
+        + "; ".join(f"{r.label} {r.coverage.split}/{r.coverage.total}" for r in rank0.reports)
+    )
+    console.print(
         f"clock switches recorded on rank 0: {len(rank0.clock_switches)} "
         f"(one per graph execution); finished in {elapsed:.1f} s"
     )

@@ -1,37 +1,192 @@
-"""Make sure the ranks of a group took the same compile-time decision.
+"""Make the ranks of a graph's collectives agree on a compile-time decision, without collectives.
 
-Ranks that run different numbers of collectives (one rewrote a graph into nanobatches,
-another fell back) or create different sub-communicators hang. Decisions are derived from
-shapes and options that match across the ranks of a tensor-parallel group, but a rank
-with different local shapes (uneven shards) could still decide differently; comparing
-the decisions costs one small all-gather per compiled graph, and turns a would-be hang
-into a consistent fallback.
+Ranks that run different collectives (one rewrote a graph into nanobatches, another did not,
+or chose another variant) hang at run time, so before a decision takes effect the ranks that
+take part in the graph's collectives compare it. They do it while compiling, and ranks compile
+lazily: they may compile different graphs, or different numbers of them (graph breaks,
+recompiles on data-dependent shapes), in different orders. A collective at compile time would
+then pair unrelated calls or wait forever, so the comparison goes through the default process
+group's key-value store instead, under keys private to one graph and one set of ranks::
+
+    kareus/agree/<graph_key>/<participants>/rank/<r>   rank r's decision: "<digest> <repr>"
+    kareus/agree/<graph_key>/<participants>/verdict    the outcome, written once
+
+1. If the verdict exists, adopt it and return: a repeated compile of the graph, or a rank that
+   arrives after the others gave up, needs nobody else.
+2. Publish this rank's entry.
+3. Poll (``store.check``, which never blocks; sleeps of at most 50 ms) until every participant's
+   entry exists, the verdict exists, or ``timeout_s`` has passed.
+4. Propose an outcome: ``agree:<digest>`` when all entries carry the same digest,
+   ``disagree:<reason>`` when they differ, ``timeout:<reason>`` naming the ranks whose entries
+   were missing. Settle it with one ``store.compare_set(verdict, "", proposal)``: it writes the
+   proposal only where the key is absent and returns the key's value either way, so the first
+   writer wins and every rank that gets a verdict gets the same one; the verdict never changes.
+   (A verdict that exists before step 3 ends is adopted as it is.)
+
+Why it cannot deadlock: no step waits on another rank except the poll of step 3, which ends at
+the deadline; every store operation used returns at once (``check``, ``set``, ``compare_set``,
+and ``get`` only of a key known to exist). A rank waits at most ``timeout_s`` plus the store's
+round trips, whatever the other ranks do, including never calling at all.
+
+Why every rank acts the same: a rank runs the decision only on an ``agree`` verdict, and
+``agree`` is proposed only by a rank that saw every participant's entry carry the same digest;
+each rank publishes its entry once per graph (later calls stop at step 1), so the entries it
+saw are the ones every participant acts on. A late rank adopts the sticky ``timeout`` and falls
+back like the others. The one case that cannot be repaired is a rank that compiles the same
+``graph_key`` again with another decision after an ``agree``: it falls back, the others run the
+agreed decision; it is logged as an error (include in ``graph_key`` whatever should start a
+fresh agreement).
+
+Decisions are compared by the SHA-256 of their pickle (protocol 4), not their ``repr``: two
+different values never share a pickle, while a ``repr`` may leave out fields or print equal
+text for different values, and a false agreement is a hang where a false disagreement is only
+a fallback. (A pickle can differ for equal values, e.g. sets of strings under per-process hash
+seeds; that errs on the safe side.) The ``repr`` travels along only to explain a disagreement.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import pickle
+import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import unset_fake_temporarily
-from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.distributed.distributed_c10d import _get_default_store, _resolve_process_group
+
+log = logging.getLogger("kareus")
+
+_MAX_POLL_S = 0.05
+_REPR_CHARS = 200
 
 
-def agree(decision: object, group_names: Iterable[str]) -> bool:
-    """Whether every rank of each group (in sorted name order) made the same ``decision``.
+@dataclass(frozen=True)
+class Verdict:
+    """The ranks' outcome for one graph; ``bool(verdict)`` is ``verdict.agreed``."""
 
-    Every rank gets the same answer. Groups of the fake backend (single-process tests)
-    and of a single rank agree trivially.
+    agreed: bool
+    """True: every participant proposed the same decision; run it."""
+    reason: str | None
+    """Why not (None when agreed)."""
+
+    def __bool__(self) -> bool:
+        return self.agreed
+
+
+def agree(
+    graph_key: str,
+    decision: object,
+    group_names: Iterable[str],
+    *,
+    timeout_s: float,
+    store: dist.Store | None = None,
+) -> Verdict:
+    """Whether every rank of the groups ``group_names`` took ``decision`` for ``graph_key``.
+
+    ``graph_key`` must be identical on every rank for the same graph (a structural hash);
+    ``decision`` must be picklable. The participants are the union of the global ranks of
+    the groups; groups of the fake backend and a single participant agree trivially, without
+    store traffic. ``store`` defaults to the default process group's store. Returns within
+    about ``timeout_s``; every participant that returns gets the same verdict (see the module
+    docstring). Store errors propagate.
     """
-    for name in sorted(set(group_names)):
-        group = _resolve_process_group(name)
-        if group.size() == 1 or dist.get_backend(group) == "fake":
-            continue
-        gathered: list[object] = [None] * group.size()
-        # Called while compiling, under the compiler's fake-tensor mode: the exchange
-        # needs real tensors.
-        with unset_fake_temporarily():
-            dist.all_gather_object(gathered, decision, group=group)
-        if any(other != decision for other in gathered):
-            return False
-    return True
+    if timeout_s < 0:
+        raise ValueError(f"timeout_s must be >= 0, got {timeout_s}")
+    # Called while compiling, under the compiler's fake-tensor mode: nothing here creates
+    # tensors, and leaving the mode keeps it that way should the store or pickle ever do.
+    with unset_fake_temporarily():
+        participants: set[int] = set()
+        for name in set(group_names):
+            group = _resolve_process_group(name)
+            if dist.get_backend(group) != "fake":
+                participants.update(dist.get_process_group_ranks(group))
+        if len(participants) <= 1:
+            return Verdict(True, None)
+        rank = dist.get_rank()
+        if rank not in participants:
+            raise ValueError(f"rank {rank} is not in the groups {sorted(set(group_names))}")
+        entry = _entry(decision)
+        return _settle(
+            _get_default_store() if store is None else store,
+            f"kareus/agree/{graph_key}/{','.join(map(str, sorted(participants)))}",
+            rank,
+            sorted(participants),
+            entry,
+            timeout_s,
+        )
+
+
+def _entry(decision: object) -> str:
+    digest = hashlib.sha256(pickle.dumps(decision, protocol=4)).hexdigest()
+    text = repr(decision)
+    if len(text) > _REPR_CHARS:
+        text = text[: _REPR_CHARS - 3] + "..."
+    return f"{digest} {text}"
+
+
+def _settle(
+    store: dist.Store, prefix: str, rank: int, participants: list[int], entry: str, timeout_s: float
+) -> Verdict:
+    verdict_key = f"{prefix}/verdict"
+    digest = entry.split(" ", 1)[0]
+    if store.check([verdict_key]):
+        return _adopt(store.get(verdict_key), digest, prefix, sticky=True)
+
+    store.set(f"{prefix}/rank/{rank}", entry)
+    others = [f"{prefix}/rank/{r}" for r in participants if r != rank]
+    deadline = time.monotonic() + timeout_s
+    pause = 0.001
+    while True:
+        if store.check([verdict_key]):
+            return _adopt(store.get(verdict_key), digest, prefix, sticky=False)
+        if store.check(others):
+            proposal = _compare(store, prefix, participants)
+            break
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            missing = [
+                r for r in participants if r != rank and not store.check([f"{prefix}/rank/{r}"])
+            ]
+            if not missing:  # arrived since the last check
+                continue
+            proposal = f"timeout:rank(s) {missing} did not arrive within {timeout_s:g} s"
+            break
+        time.sleep(min(pause, remaining))
+        pause = min(2 * pause, _MAX_POLL_S)
+    # Absent key and expected "": writes the proposal and returns it; present: returns its value.
+    return _adopt(store.compare_set(verdict_key, "", proposal), digest, prefix, sticky=False)
+
+
+def _compare(store: dist.Store, prefix: str, participants: list[int]) -> str:
+    entries = {r: _text(store.get(f"{prefix}/rank/{r}")) for r in participants}
+    digests = {e.split(" ", 1)[0] for e in entries.values()}
+    if len(digests) == 1:
+        return f"agree:{digests.pop()}"
+    parts = {r: e.partition(" ") for r, e in entries.items()}
+    detail = ", ".join(f"rank {r} {text} (digest {d[:8]})" for r, (d, _, text) in parts.items())
+    return f"disagree:ranks decided differently: {detail}"
+
+
+def _adopt(value: bytes | str, digest: str, prefix: str, *, sticky: bool) -> Verdict:
+    kind, _, payload = _text(value).partition(":")
+    if kind == "agree":
+        if payload == digest:
+            return Verdict(True, None)
+        reason = (
+            f"this rank's decision (digest {digest[:8]}) differs from the one the ranks agreed on "
+            f"earlier (digest {payload[:8]}) under {prefix}; the others run that one, this rank "
+            "falls back, and the ranks can no longer be made consistent"
+        )
+        log.error("%s", reason)
+        return Verdict(False, reason)
+    if kind not in ("disagree", "timeout"):
+        raise RuntimeError(f"unreadable verdict {value!r} under {prefix}")
+    log.info("%s: %s%s; falling back", prefix, payload, " (verdict reused)" if sticky else "")
+    return Verdict(False, payload)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else value

@@ -43,6 +43,15 @@ class KareusOptions:
             "partition's collective issued at its earliest slot (1: no rewrite)",
         },
     )
+    agreement_timeout_s: float = dataclasses.field(
+        default=120.0,
+        metadata={
+            "validate": lambda value: _timeout_problem(value),
+            "accepted": "a number of seconds > 0",
+            "doc": "how long a rank waits, while compiling a graph, for the other ranks of its "
+            "collectives to confirm the same rewrite before it runs that graph unrewritten",
+        },
+    )
     explain: bool = dataclasses.field(
         default=False,
         metadata={
@@ -86,6 +95,12 @@ def _device_problem(value: object) -> str | None:
     from kareus.profiler.devices.resolve import spec_problem
 
     return spec_problem(value)
+
+
+def _timeout_problem(value: object) -> str | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return "not a number"
+    return None if 0 < value < float("inf") else "must be finite and > 0"
 
 
 def _accepted(f: dataclasses.Field) -> str:

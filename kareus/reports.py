@@ -52,6 +52,23 @@ class PartitionReport:
 
 
 @dataclass(frozen=True)
+class Coverage:
+    """How much of a graph's communication the nanobatch rewrite can hide: ``split`` of its
+    ``total`` collectives stay split into nanobatches, and where the first split region
+    ended (None: none ended)."""
+
+    split: int
+    total: int
+    first_barrier: Barrier | None
+
+    def __str__(self) -> str:
+        text = f"{self.split}/{self.total} collectives split"
+        if self.first_barrier is not None:
+            text += f"; first barrier {self.first_barrier.node}: {self.first_barrier.reason}"
+        return text
+
+
+@dataclass(frozen=True)
 class GraphReport:
     """One compiled graph: its kind, label (as passed to ``set_clock``) and what was found."""
 
@@ -69,6 +86,7 @@ class GraphReport:
     variants: VariantSpace
     variant: Variant | None  # the point of the space that runs (None: unrewritten)
     barriers: tuple[Barrier, ...]  # where split regions end, and why
+    coverage: Coverage
 
     @classmethod
     def build(
@@ -76,7 +94,8 @@ class GraphReport:
         collectives: list[Collective], partitioning: GraphPartitioning | None,
         *, device: str, variants: VariantSpace, variant: Variant | None = None, nanobatches: int = 1,
         fallback_reason: str | None = None, barriers: tuple[Barrier, ...] = (),
-        estimate: Measurement | None = None, notes: tuple[str, ...] = (),
+        split_collectives: int = 0, estimate: Measurement | None = None,
+        notes: tuple[str, ...] = (),
     ) -> GraphReport:
         parts = partitioning.partitions if partitioning else ()
         return cls(
@@ -97,6 +116,7 @@ class GraphReport:
             variants=variants,
             variant=variant,
             barriers=barriers,
+            coverage=Coverage(split_collectives, len(collectives), barriers[0] if barriers else None),
         )
 
     def to_dict(self) -> dict[str, object]:
@@ -136,6 +156,7 @@ def report_table(report: GraphReport) -> Table:
             f"{e.energy_j * 1e3:.2f} mJ ({e.effective_energy_j * 1e3:.2f} mJ above static)"
         )
     space = report.variants
+    title += f"\ncoverage: {report.coverage}"
     title += (
         f"\nnanobatches applied: {report.nanobatches}; variant space: k in "
         f"{{{', '.join(map(str, space.nanobatches))}}}, {space.size():,} variants"

@@ -26,7 +26,9 @@ def test_custom_gpu_file_is_a_device(tmp_path):
 @pytest.mark.parametrize(
     "options, message",
     [
-        ({"lowerin": "eager"}, "unknown kareus option 'lowerin'; accepted options: device, explain, lowering"),
+        ({"lowerin": "eager"}, "unknown kareus option 'lowerin'; accepted options: agreement_timeout_s, device, explain, lowering"),
+        ({"agreement_timeout_s": 0}, "kareus option 'agreement_timeout_s': got 0 (int); must be finite and > 0"),
+        ({"agreement_timeout_s": "5"}, "kareus option 'agreement_timeout_s': got '5' (str); not a number"),
         ({"a": 1, "b": 2}, "unknown kareus options 'a', 'b'"),
         ({"lowering": "aot_eager"}, "kareus option 'lowering': got 'aot_eager' (str); accepted: 'inductor' | 'eager'"),
         ({"lowering": None}, "kareus option 'lowering': got None (NoneType)"),

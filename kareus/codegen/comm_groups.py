@@ -31,6 +31,19 @@ def backend_of(group_name: str) -> str | None:
         return None
 
 
+# Collective kinds of which a backend cannot have two in flight on one group. torch 2.11-2.14
+# with gloo: two or more functional all-gathers (``allgather_into_tensor_coalesced``) in
+# flight on one group corrupt the heap (``malloc(): unaligned fastbin chunk detected``),
+# reproduced without kareus by issuing 2-4 of them before waiting; reduce-scatters and
+# ``dist.all_gather_into_tensor(async_op=True)`` are fine.
+_EXCLUSIVE_KINDS = {"gloo": frozenset({"all_gather"})}
+
+
+def exclusive_kinds(group_name: str) -> frozenset[str]:
+    """Kinds of collective that must not overlap one another on ``group_name``."""
+    return _EXCLUSIVE_KINDS.get(backend_of(group_name) or "", frozenset())
+
+
 def resource_choices(kind: str, group_name: str) -> tuple[int | None, ...]:
     """CTA caps worth searching for a collective (None: the library's default)."""
     if backend_of(group_name) != "nccl":

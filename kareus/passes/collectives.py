@@ -13,6 +13,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx
+from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+from kareus.passes.schema import arguments
 
 _c10d = torch.ops._c10d_functional
 
@@ -79,14 +82,14 @@ def find_collectives(graph: torch.fx.Graph) -> list[Collective]:
 
 def _record(index: int, node: torch.fx.Node) -> Collective:
     kind, coalesced = COLLECTIVE_OPS[node.target]
-    args = _normalized_args(node)
+    args = arguments(node)
     inputs = args["inputs"] if coalesced else [args["input"]]
     vals = [_meta_val(n) for n in inputs]
     group_name = str(args["group_name"])
     group_size = args.get("group_size")
     if group_size is None:
         group_size = _resolve_group_size(group_name)
-    input_bytes = sum(v.numel() * v.element_size() for v in vals)
+    input_bytes = sum(size_hint(v.numel()) * v.element_size() for v in vals)
     # nccl-tests size: all-gather is counted on its (group_size x larger) output.
     payload = input_bytes * group_size if kind == "all_gather" and group_size else input_bytes
     return Collective(
@@ -97,18 +100,16 @@ def _record(index: int, node: torch.fx.Node) -> Collective:
         group_size=group_size,
         reduce_op=args.get("reduce_op"),
         dtype=vals[0].dtype,
-        shapes=tuple(tuple(int(d) for d in v.shape) for v in vals),
+        shapes=tuple(tuple(size_hint(d) for d in v.shape) for v in vals),
         payload_bytes=int(payload),
         node=node,
         waits=_waits_of(node),
     )
 
 
-def _normalized_args(node: torch.fx.Node) -> dict[str, object]:
-    schema = node.target._schema
-    bound = {a.name: v for a, v in zip(schema.arguments, node.args)}
-    bound.update(node.kwargs)
-    return bound
+def size_hint(size: int | torch.SymInt) -> int:
+    """A size as an int, without guarding on a symbolic one (its example value)."""
+    return optimization_hint(size) if isinstance(size, torch.SymInt) else int(size)
 
 
 def _meta_val(node: torch.fx.Node) -> torch.Tensor:

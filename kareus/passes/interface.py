@@ -16,16 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from kareus.passes.placement import (
-    REPLICATE,
-    Local,
-    NodePlacement,
-    Partial,
-    PlacementResult,
-    Replicate,
-    Split,
-    Whole,
-)
+from kareus.passes.placement import REPLICATE, NodePlacement, PlacementResult, Split
 
 
 @dataclass(frozen=True)
@@ -66,22 +57,23 @@ def backward_inputs(graph: torch.fx.Graph, forward: ForwardInterface | None) -> 
     placements = {n: _as_input(forward.placements.get(n.name)) for n in saved}
     for i, tangent in enumerate(tangents):
         source = user_outputs[i] if len(tangents) == len(user_outputs) else None
-        placements[tangent] = (
-            _as_input(forward.placements.get(source)) if source is not None
-            else Whole(f"{tangent.name}: cannot tell which forward output it is the gradient of")
-        )
+        # A tangent whose output is unknown is a full tensor like any other: replicated.
+        placements[tangent] = _as_input(forward.placements.get(source) if source else None)
     return placements
 
 
 def _as_input(p: NodePlacement | None) -> NodePlacement:
-    """A forward value as the backward receives it: whole, joined from its pieces."""
-    if p is None or isinstance(p, (Replicate, Partial, Local)):
-        # A joined sum does not depend on how the batch is split; a joined local value is
-        # nanobatch 0's attention seed, unused without dropout (which the rules refuse).
-        return REPLICATE
+    """A forward value as the backward receives it: whole, joined from its pieces.
+
+    Split again where the forward split it along one dim; anything else is, to the
+    backward, one full tensor used as is (replicated): a joined sum, nanobatch 0's
+    attention seed (unused without dropout, which the rules refuse), a value the forward
+    computed on the whole batch. Its consumers slice it where they pair it element by
+    element with split values, so the backward's split region does not end there.
+    """
     if isinstance(p, Split) and p.blocks == 1:
         return p
-    return Whole(f"saved from the forward as {p}")
+    return REPLICATE
 
 
 def _tensor(node: torch.fx.Node) -> torch.Tensor | None:

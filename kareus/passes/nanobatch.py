@@ -17,8 +17,7 @@ signature (what AOT autograd saves for the backward) is unchanged.
 from __future__ import annotations
 
 import operator
-import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +26,7 @@ from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from kareus.passes.collectives import Collective
+from kareus.passes.ops import facts_of
 from kareus.passes.partition import GraphPartitioning, canonical_order
 from kareus.passes.placement import (
     Local,
@@ -39,6 +39,7 @@ from kareus.passes.placement import (
     per_nanobatch,
     sliced_dim,
 )
+from kareus.passes.schema import arguments, position
 
 aten = torch.ops.aten
 
@@ -68,9 +69,15 @@ def nanobatch_graph(
     placements: PlacementResult,
     schedule: Schedule,
     example_inputs: Sequence[object],
+    exclusive: Callable[[str], frozenset[str]] = lambda group_name: frozenset(),
 ) -> torch.fx.GraphModule:
-    """A new GraphModule computing what ``gm`` computes, in ``schedule.nanobatches`` pieces."""
-    emitter = _Emitter(gm.graph, placements.placements, schedule)
+    """A new GraphModule computing what ``gm`` computes, in ``schedule.nanobatches`` pieces.
+
+    ``exclusive(group_name)``: the collective kinds of which that group's backend cannot
+    have two in flight (``comm_groups.exclusive_kinds``); one is waited before the next
+    is issued.
+    """
+    emitter = _Emitter(gm.graph, placements.placements, schedule, exclusive)
     emitter.emit(partitioning, collectives)
     new = torch.fx.GraphModule(gm, emitter.graph)
     fake_mode = torch._guards.detect_fake_mode(example_inputs)
@@ -83,8 +90,16 @@ def nanobatch_graph(
 
 
 class _Emitter:
-    def __init__(self, graph: torch.fx.Graph, placements: dict[torch.fx.Node, NodePlacement], schedule: Schedule):
+    def __init__(
+        self,
+        graph: torch.fx.Graph,
+        placements: dict[torch.fx.Node, NodePlacement],
+        schedule: Schedule,
+        exclusive: Callable[[str], frozenset[str]],
+    ):
         self.old = graph
+        self.exclusive = exclusive
+        self.in_flight: dict[str, list[tuple[Collective, int]]] = {}
         self.graph = torch.fx.Graph()
         self.placements = placements
         self.k = schedule.nanobatches
@@ -98,27 +113,31 @@ class _Emitter:
     # -- values -----------------------------------------------------------------------
 
     def piece(self, node: torch.fx.Node, j: int) -> torch.fx.Node:
-        """Nanobatch ``j``'s value of ``node`` (the value itself if it is not split)."""
-        if node in self.pieces:
-            if (node, j) in self.deferred_waits:
-                self.deferred_waits.discard((node, j))
-                self._copy(node, j)
-            value = self.pieces[node][j]
-            assert value is not None, f"{node.name} of nanobatch {j} used before it was computed"
-            return value
-        return self.whole(node)
+        """Nanobatch ``j``'s value of ``node`` (the value itself if it is not split).
+
+        Emission is demand-driven: a value needed before its place in the schedule (a
+        barrier's inputs, a collective waited early) is emitted where it is first needed.
+        """
+        if not per_nanobatch(self.placements[node]):
+            return self.whole(node)
+        if (node, j) in self.deferred_waits:
+            self.deferred_waits.discard((node, j))
+            self._copy(node, j)
+        value = self.pieces.get(node, [None] * self.k)[j]
+        return value if value is not None else self._copy(node, j)
 
     def whole(self, node: torch.fx.Node) -> torch.fx.Node:
         """The whole-batch value of ``node``: joining its pieces if it was split."""
         if node in self.once:
+            return self.once[node]
+        if not per_nanobatch(self.placements[node]):
+            self.once[node] = self._copy_once(node)
             return self.once[node]
         if node not in self.joined:
             self.joined[node] = self._join(node)
         return self.joined[node]
 
     def _join(self, node: torch.fx.Node) -> torch.fx.Node:
-        if node not in self.pieces:
-            raise AssertionError(f"{node.name} ({node.op} {node.target}) used before it was emitted")
         p = self.placements[node]
         pieces = [self.piece(node, j) for j in range(self.k)]
         call = self.graph.call_function
@@ -138,12 +157,17 @@ class _Emitter:
         """Join split pieces in the memory layout of the original value.
 
         Consumers may view the value (an attention output is a transposed view of a
-        contiguous buffer, and the backward reshapes it back), so the join concatenates
-        in the order of the original strides and permutes back to the logical order.
+        contiguous buffer, and the backward reshapes it back) and kernels may need its
+        layout (the CPU flash-attention kernel reads garbage unless the last dim has
+        stride 1), so the join concatenates in the order of the original strides and
+        permutes back to the logical order. Broadcast (stride-0) dims, such as grouped-
+        query attention's K/V expanded over heads, have no place in that order: they go
+        outermost, so every dim with a stride keeps its relative order and the innermost
+        one stays innermost.
         """
         call = self.graph.call_function
         val = node.meta["val"]
-        order = sorted(range(val.ndim), key=lambda d: (-val.stride(d), -d))  # outermost first
+        order = join_order(val)
         if order != list(range(val.ndim)):
             pieces = [call(aten.permute.default, (x, order)) for x in pieces]
         dim = order.index(p.dim)
@@ -188,7 +212,7 @@ class _Emitter:
         split = [n for n in order if per_nanobatch(self.placements[n])]
         for n in order:
             if isinstance(self.placements[n], Replicate):
-                self.once[n] = self._copy_once(n)
+                self.whole(n)
         coll_split = coll is not None and per_nanobatch(self.placements[coll.node])
         for j in range(self.k):
             for g, names in enumerate(groups):
@@ -196,27 +220,35 @@ class _Emitter:
                     self._issue(coll, j - 1, group_name)
                 for n in split:
                     if n.name in names:
-                        self._copy(n, j)
+                        self.piece(n, j)
             if coll_split and j >= 1 and slot >= len(groups):
                 self._issue(coll, j - 1, group_name)
         if coll_split:
             self._issue(coll, self.k - 1, group_name)
         for n in order:
             if isinstance(self.placements[n], Whole):
-                self.once[n] = self._copy_once(n)
+                self.whole(n)
         if coll is not None and not coll_split:
-            self.once[coll.node] = self._copy_once(coll.node)
+            self.whole(coll.node)
             for w in coll.waits:
                 self._wait_once(w)
 
     def _wait_once(self, wait: torch.fx.Node) -> None:
         source = wait.args[0]
-        if source.op == "call_function" and source.target is _getitem and source not in self.once:
-            self.once[source] = self._copy_once(source)
-        self.once[wait] = self._copy_once(wait)
+        if source.op == "call_function" and source.target is _getitem:
+            self.whole(source)
+        self.whole(wait)
 
     def _issue(self, coll: Collective, j: int, group_name: str | None) -> None:
         """Issue nanobatch ``j``'s collective; its waits are emitted at their first use."""
+        if self.pieces.get(coll.node, [None] * self.k)[j] is not None:
+            return  # a consumer needed it earlier (see ``piece``)
+        group = group_name or coll.group_name
+        if coll.kind in self.exclusive(group):
+            for earlier, i in self.in_flight.pop(group, []):
+                for w in earlier.waits:
+                    self.piece(w, i)
+            self.in_flight[group] = [(coll, j)]
         self._copy(coll.node, j, group_name=group_name)
         for w in coll.waits:
             self.pieces.setdefault(w, [None] * self.k)
@@ -246,7 +278,9 @@ class _Emitter:
 
     def _copy(self, node: torch.fx.Node, j: int, group_name: str | None = None) -> torch.fx.Node:
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: self._operand(node, a, j))
-        args = resize_args(node, args, self.placements[node], self.k)
+        resize = facts_of(node).resize
+        if resize is not None:
+            args = resize(node, args, self.placements[node], self.k)
         if group_name is not None:
             args = with_group(node, args, group_name)
         new = self.graph.create_node(node.op, node.target, args, kwargs)
@@ -259,15 +293,11 @@ class _Emitter:
         return new
 
     def _operand(self, node: torch.fx.Node, arg: torch.fx.Node, j: int) -> torch.fx.Node:
-        """Nanobatch ``j``'s operand; a replicated operand of an elementwise op that spans
-        the split dim is sliced like the split operands (see ``placement.sliced_dim``)."""
-        p = self.placements[node]
-        if (
-            isinstance(p, Split)
-            and isinstance(self.placements[arg], Replicate)
-            and _is_pointwise(node)
-            and (dim := sliced_dim(arg, p, len(_shape(node)))) not in (None, -1)
-        ):
+        """Nanobatch ``j``'s operand; a whole-batch operand that the op pairs element by
+        element with its split operands (an elementwise op's operand spanning the split
+        dim, a per-sample attention mask) is sliced like them."""
+        dim = self._sliced_operand_dim(node, arg)
+        if dim is not None:
             key = (arg, dim)
             if key not in self.slices:
                 whole = self.whole(arg)
@@ -278,6 +308,26 @@ class _Emitter:
                 ]
             return self.slices[key][j]
         return self.piece(arg, j)
+
+    def _sliced_operand_dim(self, node: torch.fx.Node, arg: torch.fx.Node) -> int | None:
+        p = self.placements[node]
+        if not isinstance(self.placements[arg], (Replicate, Whole)) or not per_nanobatch(p):
+            return None
+        facts = facts_of(node)
+        if facts.pointwise and isinstance(p, Split):
+            dim = sliced_dim(arg, p, len(_shape(node)))
+            return None if dim == -1 else dim
+        if not facts.aligned_operands:
+            return None
+        outs = p if isinstance(p, tuple) else (p,)
+        split = next((q for q in outs if isinstance(q, Split)), None)
+        aligned = [arguments(node).get(name) for name in facts.aligned_operands]
+        if split is None or arg not in aligned:
+            return None
+        out_ndim = len(_shape(node)) if isinstance(p, Split) else len(node.meta["val"][0].shape)
+        if len(_shape(arg)) != out_ndim:
+            return None
+        return split.dim if _shape(arg)[split.dim] != 1 else None
 
     def _needed_whole(self, node: torch.fx.Node) -> bool:
         return any(u.op == "output" or not per_nanobatch(self.placements[u]) for u in node.users)
@@ -321,45 +371,18 @@ def _value_shape(node: torch.fx.Node, p: NodePlacement, q: Split) -> int | None:
 _getitem = operator.getitem
 
 
-def _is_pointwise(node: torch.fx.Node) -> bool:
-    return isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags
-
-
 def _shape(node: torch.fx.Node) -> tuple[int, ...]:
     val = node.meta.get("val")
     return tuple(int(d) for d in val.shape)
 
 
-def resize_args(node: torch.fx.Node, args: tuple, p: NodePlacement, k: int) -> tuple:
-    """Arguments that spell out a shape, resized to one nanobatch."""
-    target = getattr(node.target, "overloadpacket", None)
-    if target in (aten.view, aten._unsafe_view, aten.reshape, aten.expand) and isinstance(p, Split):
-        shape = list(_shape(node))
-        shape[p.dim] //= k
-        return (args[0], shape, *args[2:])
-    if target in (aten.split, aten.split_with_sizes) and isinstance(p, tuple):
-        source = node.args[0]
-        dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else 0)
-        sp = _placement_dim(p)
-        if sp is not None and (dim % len(_shape(source))) == sp:
-            sizes = args[1]
-            new = [s // k for s in sizes] if isinstance(sizes, (list, tuple)) else sizes // k
-            return (args[0], new, *args[2:])
-    if target is aten.slice and isinstance(p, Split):
-        dim = args[1] if len(args) > 1 else 0
-        if dim % len(_shape(node)) == p.dim:
-            return (args[0], args[1], 0, sys.maxsize, *args[4:])
-    return args
-
-
-def _placement_dim(p: tuple) -> int | None:
-    dims = {q.dim for q in p if isinstance(q, Split)}
-    return dims.pop() if len(dims) == 1 else None
-
-
 def with_group(node: torch.fx.Node, args: tuple, group_name: str) -> tuple:
     """The same collective issued on another process group (a resource-capped one)."""
-    names = [a.name for a in node.target._schema.arguments]
-    index = names.index("group_name")
+    index = position(node, "group_name")
     return (*args[:index], group_name, *args[index + 1 :])
+
+
+def join_order(val: torch.Tensor) -> list[int]:
+    """Dims of ``val`` from outermost to innermost in memory, broadcast (stride-0) dims first."""
+    return sorted(range(val.ndim), key=lambda d: (val.stride(d) != 0, -val.stride(d), -d))
 

@@ -27,49 +27,9 @@ import torch
 import torch.fx
 
 from kareus.passes.collectives import Collective, is_collective, is_wait
+from kareus.passes.ops import facts_of
 
 aten = torch.ops.aten
-
-HEAVY_OPS: dict[object, str] = {
-    **dict.fromkeys([aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten._scaled_mm], "matmul"),
-    **dict.fromkeys([aten.convolution, aten.convolution_backward], "convolution"),
-    **dict.fromkeys(
-        [
-            getattr(aten, name)
-            for name in (
-                "_scaled_dot_product_flash_attention",
-                "_scaled_dot_product_flash_attention_backward",
-                "_scaled_dot_product_flash_attention_for_cpu",
-                "_scaled_dot_product_flash_attention_for_cpu_backward",
-                "_scaled_dot_product_efficient_attention",
-                "_scaled_dot_product_efficient_attention_backward",
-                "_scaled_dot_product_cudnn_attention",
-                "_scaled_dot_product_cudnn_attention_backward",
-                "_flash_attention_forward",
-                "_flash_attention_backward",
-                "_efficient_attention_forward",
-                "_efficient_attention_backward",
-            )
-            if hasattr(aten, name)
-        ],
-        "attention",
-    ),
-}
-
-FREE_OPS: frozenset[object] = frozenset(
-    [
-        operator.getitem,
-        *(
-            getattr(aten, name)
-            for name in (
-                "view", "_unsafe_view", "reshape", "permute", "transpose", "t", "expand",
-                "unsqueeze", "squeeze", "slice", "select", "alias", "as_strided", "split",
-                "split_with_sizes", "unbind", "detach", "view_as_real", "view_as_complex",
-            )
-        ),
-    ]
-)
-
 
 @dataclass(frozen=True)
 class Slot:
@@ -129,13 +89,8 @@ def partition_graph(graph: torch.fx.Graph, collectives: Sequence[Collective]) ->
     return GraphPartitioning(tuple(tuple(s) for s in segments), tuple(partitions), tuple(notes))
 
 
-def _packet(node: torch.fx.Node) -> object:
-    """The op a node calls, with ATen overloads folded into their packet."""
-    return getattr(node.target, "overloadpacket", node.target)
-
-
 def is_free(node: torch.fx.Node) -> bool:
-    return _packet(node) in FREE_OPS
+    return not facts_of(node).launches_kernel
 
 
 def _is_compute(node: torch.fx.Node) -> bool:
@@ -203,7 +158,8 @@ def _slots(segment: Sequence[torch.fx.Node]) -> tuple[Slot, ...]:
     groups: list[tuple[str, list[torch.fx.Node]]] = []
     pending: list[torch.fx.Node] = []  # free ops waiting for a group to join
     for node in segment:
-        kind = HEAVY_OPS.get(_packet(node))
+        cost = facts_of(node).cost
+        kind = cost.value if cost.heavy else None
         if is_free(node):
             if groups and groups[-1][0] == "memory":
                 groups[-1][1].append(node)
@@ -228,7 +184,7 @@ def _slots(segment: Sequence[torch.fx.Node]) -> tuple[Slot, ...]:
 def _slot_label(kind: str, nodes: Sequence[torch.fx.Node]) -> str:
     if kind == "memory":
         return f"mem×{sum(1 for n in nodes if not is_free(n))}"
-    heavy = next(n for n in nodes if _packet(n) in HEAVY_OPS)
+    heavy = next(n for n in nodes if facts_of(n).cost.heavy)
     name = heavy.target.overloadpacket.__name__
     if kind == "matmul":
         return name.strip("_")
@@ -278,6 +234,19 @@ def _node_hashes(segment: Sequence[torch.fx.Node]) -> dict[torch.fx.Node, str]:
         )
         digest[node] = hashlib.sha1(repr(token).encode()).hexdigest()
     return digest
+
+
+def graph_hash(graph: torch.fx.Graph) -> str:
+    """Structural identity of a whole graph: ops, argument structure, shapes, dtypes, groups.
+
+    Identical on every rank that traced the same program (node names, Python scalars and
+    free ops are left out as in the partition keys) and across runs, so ranks can key what
+    they must agree on by it without talking to each other.
+    """
+    nodes = list(graph.nodes)
+    digest = _node_hashes(nodes)
+    parts = sorted(digest[n] for n in nodes if not _key_transparent(n))
+    return hashlib.sha1(repr(parts).encode()).hexdigest()[:16]
 
 
 _SCALAR_IDENTITY_OPS = frozenset([aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor])
@@ -358,9 +327,14 @@ def _tensor_sig(node: torch.fx.Node) -> tuple[object, ...]:
     return _sig(node.meta.get("val"))
 
 
+def size_key(size: int | torch.SymInt) -> int | str:
+    """A size as keys hold it: symbolic sizes by their expression (``int()`` would guard)."""
+    return str(size) if isinstance(size, torch.SymInt) else int(size)
+
+
 def _sig(val: object) -> tuple[object, ...]:
     if isinstance(val, torch.Tensor):
-        return (tuple(int(d) for d in val.shape), str(val.dtype))
+        return (tuple(size_key(d) for d in val.shape), str(val.dtype))
     if isinstance(val, (list, tuple)):
         return tuple(_sig(v) for v in val)
     return (type(val).__name__,)

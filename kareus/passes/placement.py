@@ -17,8 +17,9 @@ Placements (DESIGN.md section 3), propagated through the graph from its inputs:
   (concatenated, or summed) first, so the result is always right, and ``reason`` says
   why the split region ended there.
 
-Rules cover the ops of the post-AOT graphs of Llama-style models under tensor and
-sequence parallelism; a rule returns a placement or a string saying why it cannot split.
+A rule (one per op, found in ``ops.OP_TABLE``) returns a placement or a string saying why
+it cannot split. Rules cover the ops of the post-AOT graphs of Llama-family models as
+torchtitan and Hugging Face write them, under tensor, sequence and loss parallelism.
 """
 
 from __future__ import annotations
@@ -26,11 +27,12 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.fx
 
-from kareus.passes.collectives import WAIT_OP
+from kareus.passes.schema import arguments
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -91,39 +93,48 @@ class PlacementResult:
     barriers: tuple[Barrier, ...]
 
 
-class _Ctx:
-    """What a rule sees: the node, ``k`` and the placement and value of every argument."""
+class RuleContext:
+    """What a rule sees: the node, ``k``, its arguments by name and their placements.
+
+    A ``Whole`` value (computed once on the whole batch) is, to the rules, a replicated one:
+    a full tensor used as is, or sliced along the split dim where a rule pairs its elements
+    with a split operand (``sliced_dim``). That is what lets a split region resume after a
+    barrier (a loss gradient, a per-sample mask built on the whole batch).
+    """
 
     def __init__(self, node: torch.fx.Node, k: int, placements: dict[torch.fx.Node, NodePlacement]):
         self.node, self.k, self._placements = node, k, placements
+        self.args = arguments(node)
 
     def pl(self, arg: object) -> NodePlacement:
-        return self._placements[arg] if isinstance(arg, torch.fx.Node) else REPLICATE
+        if not isinstance(arg, torch.fx.Node):
+            return REPLICATE
+        p = self._placements[arg]
+        return REPLICATE if isinstance(p, Whole) else p
 
-    def arg(self, name: str, index: int, default: object = None) -> object:
-        if name in self.node.kwargs:
-            return self.node.kwargs[name]
-        return self.node.args[index] if index < len(self.node.args) else default
+    def arg(self, name: str, default: object = None) -> object:
+        return self.args.get(name, default)
 
     @property
     def out(self) -> object:
         return self.node.meta.get("val")
 
 
-Rule = Callable[[_Ctx], NodePlacement | str]
-RULES: dict[object, Rule] = {}
+Rule = Callable[[RuleContext], "NodePlacement | str"]
 
 
-def _rule(*ops: object) -> Callable[[Rule], Rule]:
-    def register(fn: Rule) -> Rule:
-        for op in ops:
-            RULES[op] = fn
-        return fn
+class RuleTable(Protocol):
+    """Where propagation looks up the placement rule of an op (``ops.OpTable``)."""
 
-    return register
+    def rule(self, target: object) -> Rule | None: ...
 
 
-def propagate(graph: torch.fx.Graph, inputs: dict[torch.fx.Node, NodePlacement], k: int) -> PlacementResult:
+def propagate(
+    graph: torch.fx.Graph,
+    inputs: dict[torch.fx.Node, NodePlacement],
+    k: int,
+    table: RuleTable,
+) -> PlacementResult:
     """Placements of every node given those of the placeholders (missing: replicated)."""
     placements: dict[torch.fx.Node, NodePlacement] = {}
     barriers: list[Barrier] = []
@@ -133,12 +144,16 @@ def propagate(graph: torch.fx.Graph, inputs: dict[torch.fx.Node, NodePlacement],
         elif node.op in ("get_attr", "output"):
             placements[node] = REPLICATE
         else:
-            placements[node] = _place(node, k, placements, barriers)
+            placements[node] = _place(node, k, placements, barriers, table)
     return PlacementResult(placements, tuple(barriers))
 
 
 def _place(
-    node: torch.fx.Node, k: int, placements: dict[torch.fx.Node, NodePlacement], barriers: list[Barrier]
+    node: torch.fx.Node,
+    k: int,
+    placements: dict[torch.fx.Node, NodePlacement],
+    barriers: list[Barrier],
+    table: RuleTable,
 ) -> NodePlacement:
     ins = [placements[i] for i in node.all_input_nodes]
     flat = [q for p in ins for q in (p if isinstance(p, tuple) else (p,))]
@@ -147,18 +162,13 @@ def _place(
         return source[node.args[1]] if isinstance(source, tuple) else source
     if all(isinstance(p, Replicate) for p in flat):
         return REPLICATE
-    whole = next((p for p in flat if isinstance(p, Whole)), None)
-    if whole is not None:
-        return whole
-    target = node.target
-    packet = getattr(target, "overloadpacket", target)
-    rule = RULES.get(target) or RULES.get(packet)
-    if rule is None and isinstance(target, torch._ops.OpOverload):
-        if torch.Tag.nondeterministic_seeded in target.tags:
-            rule = _random
-        elif torch.Tag.pointwise in target.tags:
-            rule = _pointwise
-    result = rule(_Ctx(node, k, placements)) if rule else f"no placement rule for {target}"
+    if all(isinstance(p, (Replicate, Whole)) for p in flat):
+        # Computed once from values computed once: no new barrier.
+        return next(p for p in flat if isinstance(p, Whole))
+    rule = table.rule(node.target)
+    result = (
+        rule(RuleContext(node, k, placements)) if rule else f"no placement rule for {node.target}"
+    )
     if isinstance(result, str):
         if any(isinstance(p, Local) for p in flat):
             result += "; it consumes a per-nanobatch value that cannot be joined"
@@ -175,20 +185,32 @@ def _shape(x: object) -> tuple[int, ...]:
     return tuple(int(d) for d in x.shape) if isinstance(x, torch.Tensor) else ()
 
 
-def _random(ctx: _Ctx) -> str:
+def _shape_of(arg: object) -> tuple[int, ...]:
+    return _shape(arg.meta.get("val")) if isinstance(arg, torch.fx.Node) else ()
+
+
+def _input(ctx: RuleContext) -> NodePlacement:
+    """The placement of the op's first argument (``input``, or ``tensor`` of a wait)."""
+    return ctx.pl(next(iter(ctx.args.values()), None))
+
+
+# -- elementwise --------------------------------------------------------------------------
+
+
+def random_op(ctx: RuleContext) -> str:
     return "random op: splitting it would change the random stream, so it runs on the whole batch"
 
 
-def _pointwise(ctx: _Ctx) -> NodePlacement | str:
+def pointwise(ctx: RuleContext) -> NodePlacement | str:
     """Elementwise ops with broadcasting: every split input must land on one output dim."""
     out_ndim = len(_shape(ctx.out))
-    tensors = [a for a in ctx.node.all_input_nodes]
+    tensors = list(ctx.node.all_input_nodes)
     splits = {}
     partial = []
     for a in tensors:
         p = ctx.pl(a)
         if isinstance(p, Split):
-            splits[a] = Split(p.dim + out_ndim - len(_shape(a.meta.get("val"))), p.blocks)
+            splits[a] = Split(p.dim + out_ndim - len(_shape_of(a)), p.blocks)
         elif isinstance(p, Partial):
             partial.append(a)
         elif isinstance(p, Local):
@@ -209,9 +231,10 @@ def sliced_dim(arg: torch.fx.Node, split: Split, out_ndim: int) -> int | None:
     """The dim of a replicated elementwise operand to slice per nanobatch (-1: broadcast).
 
     A replicated operand as long as the split dim (a dropout mask drawn once for the
-    whole batch) is sliced like the split operands; one of size 1 there broadcasts.
+    whole batch, a value computed once after a barrier) is sliced like the split operands;
+    one of size 1 there broadcasts.
     """
-    shape = _shape(arg.meta.get("val"))
+    shape = _shape_of(arg)
     aligned = split.dim - (out_ndim - len(shape))
     if not 0 <= aligned < len(shape) or shape[aligned] == 1:
         return -1
@@ -219,12 +242,21 @@ def sliced_dim(arg: torch.fx.Node, split: Split, out_ndim: int) -> int | None:
 
 
 _LINEAR = {
-    aten.add.Tensor, aten.sub.Tensor, aten.neg.default, aten.mul.Tensor, aten.mul.Scalar,
-    aten.div.Tensor, aten.div.Scalar, aten.clone.default, aten.alias.default,
+    aten.add.Tensor,
+    aten.sub.Tensor,
+    aten.neg.default,
+    aten.mul.Tensor,
+    aten.mul.Scalar,
+    aten.div.Tensor,
+    aten.div.Scalar,
+    aten.clone.default,
+    aten.alias.default,
 }
 
 
-def _linear_partial(ctx: _Ctx, partial: list[torch.fx.Node], has_split: bool) -> NodePlacement | str:
+def _linear_partial(
+    ctx: RuleContext, partial: list[torch.fx.Node], has_split: bool
+) -> NodePlacement | str:
     """Sums survive linear maps: p1 + p2, -p, p * r, p / r (r replicated)."""
     target = ctx.node.target
     if has_split or target not in _LINEAR:
@@ -241,21 +273,18 @@ def _linear_partial(ctx: _Ctx, partial: list[torch.fx.Node], has_split: bool) ->
 # -- identity-like --------------------------------------------------------------------
 
 
-@_rule(aten.clone, aten.alias, aten.detach, aten._to_copy, aten.contiguous, aten.lift_fresh_copy,
-       WAIT_OP)
-def _same(ctx: _Ctx) -> NodePlacement | str:
-    return ctx.pl(ctx.node.args[0])
+def same(ctx: RuleContext) -> NodePlacement | str:
+    return _input(ctx)
 
 
 # -- views and shape changes ----------------------------------------------------------
 
 
-@_rule(aten.view, aten._unsafe_view, aten.reshape)
-def _view(ctx: _Ctx) -> NodePlacement | str:
-    p = ctx.pl(ctx.node.args[0])
+def view(ctx: RuleContext) -> NodePlacement | str:
+    p = _input(ctx)
     if not isinstance(p, Split):
         return _replicate_or_partial(p)
-    return _reshaped(p, _shape(ctx.node.args[0].meta.get("val")), _shape(ctx.out), ctx.k)
+    return _reshaped(p, _shape_of(ctx.arg("input")), _shape(ctx.out), ctx.k)
 
 
 def _reshaped(p: Split, src: Sequence[int], dst: Sequence[int], k: int) -> Split | str:
@@ -283,7 +312,11 @@ def _reshaped(p: Split, src: Sequence[int], dst: Sequence[int], k: int) -> Split
             if any(src[d] != 1 for d in gi[: gi.index(p.dim)]):
                 return "reshape merges the split dim into a dim it is not the outer part of"
             lead = next((d for d in gj if d < len(dst) and dst[d] != 1), None)
-            if lead is None or dst[lead] % (k * p.blocks) or (p.blocks > 1 and dst[lead] != src[p.dim]):
+            if (
+                lead is None
+                or dst[lead] % (k * p.blocks)
+                or (p.blocks > 1 and dst[lead] != src[p.dim])
+            ):
                 return "reshape splits the split dim in a way nanobatches cannot follow"
             return Split(lead, p.blocks)
         i, j = gi[-1] + 1, gj[-1] + 1
@@ -296,89 +329,125 @@ def _replicate_or_partial(p: NodePlacement) -> NodePlacement | str:
     return f"cannot follow a {type(p).__name__} placement"
 
 
-@_rule(aten.expand)
-def _expand(ctx: _Ctx) -> NodePlacement | str:
-    p = ctx.pl(ctx.node.args[0])
+def expand(ctx: RuleContext) -> NodePlacement | str:
+    p = _input(ctx)
     if not isinstance(p, Split):
         return _replicate_or_partial(p)
-    src, dst = _shape(ctx.node.args[0].meta.get("val")), _shape(ctx.out)
+    src, dst = _shape_of(ctx.arg("input")), _shape(ctx.out)
     dim = p.dim + len(dst) - len(src)
     return Split(dim, p.blocks) if dst[dim] == src[p.dim] else "expand broadcasts the split dim"
 
 
-@_rule(aten.permute)
-def _permute(ctx: _Ctx) -> NodePlacement | str:
-    p = ctx.pl(ctx.node.args[0])
+def permute(ctx: RuleContext) -> NodePlacement | str:
+    p = _input(ctx)
     if not isinstance(p, Split):
         return _replicate_or_partial(p)
-    dims = [_norm(d, len(ctx.node.args[1])) for d in ctx.node.args[1]]
+    order = ctx.arg("dims")
+    dims = [_norm(d, len(order)) for d in order]
     return Split(dims.index(p.dim), p.blocks)
 
 
-@_rule(aten.transpose, aten.t)
-def _transpose(ctx: _Ctx) -> NodePlacement | str:
-    p = ctx.pl(ctx.node.args[0])
+def transpose(ctx: RuleContext) -> NodePlacement | str:
+    p = _input(ctx)
     if not isinstance(p, Split):
         return _replicate_or_partial(p)
     ndim = len(_shape(ctx.out))
-    a, b = (0, 1) if ctx.node.target is aten.t.default else (_norm(ctx.node.args[1], ndim), _norm(ctx.node.args[2], ndim))
+    if "dim0" in ctx.args:
+        a, b = _norm(ctx.arg("dim0"), ndim), _norm(ctx.arg("dim1"), ndim)
+    else:  # aten.t
+        a, b = 0, 1
     return Split({a: b, b: a}.get(p.dim, p.dim), p.blocks)
 
 
-@_rule(aten.unsqueeze)
-def _unsqueeze(ctx: _Ctx) -> NodePlacement | str:
-    p = ctx.pl(ctx.node.args[0])
+def unsqueeze(ctx: RuleContext) -> NodePlacement | str:
+    p = _input(ctx)
     if not isinstance(p, Split):
         return _replicate_or_partial(p)
-    dim = _norm(ctx.node.args[1], len(_shape(ctx.out)))
+    dim = _norm(ctx.arg("dim"), len(_shape(ctx.out)))
     return Split(p.dim + (dim <= p.dim), p.blocks)
 
 
-@_rule(aten.squeeze)
-def _squeeze(ctx: _Ctx) -> NodePlacement | str:
-    p = ctx.pl(ctx.node.args[0])
+def squeeze(ctx: RuleContext) -> NodePlacement | str:
+    p = _input(ctx)
     if not isinstance(p, Split):
         return _replicate_or_partial(p)
-    src = _shape(ctx.node.args[0].meta.get("val"))
-    dims = ctx.node.args[1] if len(ctx.node.args) > 1 else range(len(src))
-    dims = [_norm(d, len(src)) for d in ([dims] if isinstance(dims, int) else dims)]
-    removed = [d for d in dims if src[d] == 1]
+    src = _shape_of(ctx.arg("input"))
+    dims = ctx.arg("dim")
+    dims = range(len(src)) if dims is None else ([dims] if isinstance(dims, int) else dims)
+    removed = [d for d in (_norm(d, len(src)) for d in dims) if src[d] == 1]
     if p.dim in removed:
         return "squeeze removes the split dim"
     return Split(p.dim - sum(d < p.dim for d in removed), p.blocks)
 
 
-@_rule(aten.slice)
-def _slice(ctx: _Ctx) -> NodePlacement | str:
-    p = ctx.pl(ctx.node.args[0])
+def view_as_complex(ctx: RuleContext) -> NodePlacement | str:
+    """(..., 2) reals as complex numbers (Llama 3's RoPE): every dim but the last stays."""
+    p = _input(ctx)
     if not isinstance(p, Split):
         return _replicate_or_partial(p)
-    src = _shape(ctx.node.args[0].meta.get("val"))
-    dim = _norm(ctx.arg("dim", 1, 0), len(src))
+    if p.dim == len(_shape_of(ctx.arg("input"))) - 1:
+        return "view_as_complex of a split real/imaginary dim"
+    return p
+
+
+def view_as_real(ctx: RuleContext) -> NodePlacement | str:
+    p = _input(ctx)
+    return p if isinstance(p, Split) else _replicate_or_partial(p)
+
+
+def slice_(ctx: RuleContext) -> NodePlacement | str:
+    p = _input(ctx)
+    if not isinstance(p, Split):
+        return _replicate_or_partial(p)
+    src = _shape_of(ctx.arg("input"))
+    dim = _norm(ctx.arg("dim", 0), len(src))
     if dim == p.dim and _shape(ctx.out) != src:
         return "slice along the split dim"
     return p
 
 
-@_rule(aten.select)
-def _select(ctx: _Ctx) -> NodePlacement | str:
-    p = ctx.pl(ctx.node.args[0])
+def scatter_into(ctx: RuleContext) -> NodePlacement | str:
+    """slice_scatter / select_scatter (backward of a slice or select): writes ``src`` into
+    ``input`` along ``dim``. The output is split like ``src`` (along another dim); a
+    replicated ``input`` (zeros, mostly) is sliced like it (``OpFacts.aligned_operands``)."""
+    src = ctx.pl(ctx.arg("src"))
+    ndim = len(_shape(ctx.out))
+    dim = _norm(ctx.arg("dim", 0), ndim)
+    if not isinstance(src, Split) or src.blocks != 1:
+        return "scatter of an unsplit source"
+    lacks_dim = len(_shape_of(ctx.arg("src"))) < ndim  # select_scatter's src has no ``dim``
+    out = Split(src.dim + (lacks_dim and src.dim >= dim))
+    if out.dim == dim:
+        return "scatter along the split dim"
+    base = ctx.pl(ctx.arg("input"))
+    return (
+        out
+        if base == out or isinstance(base, Replicate)
+        else "scatter into a value split otherwise"
+    )
+
+
+def select(ctx: RuleContext) -> NodePlacement | str:
+    p = _input(ctx)
     if not isinstance(p, Split):
         return _replicate_or_partial(p)
-    dim = _norm(ctx.node.args[1], len(_shape(ctx.node.args[0].meta.get("val"))))
+    dim = _norm(ctx.arg("dim"), len(_shape_of(ctx.arg("input"))))
     if dim == p.dim:
         return "select along the split dim"
     return Split(p.dim - (dim < p.dim), p.blocks)
 
 
-@_rule(aten.split, aten.split_with_sizes)
-def _split(ctx: _Ctx) -> NodePlacement | str:
-    p = ctx.pl(ctx.node.args[0])
+def split(ctx: RuleContext) -> NodePlacement | str:
+    p = _input(ctx)
     n = len(ctx.out)
     if not isinstance(p, Split):
-        return _replicate_or_partial(p) if isinstance(p, (Partial, Replicate)) else "cannot split this value"
-    src = _shape(ctx.node.args[0].meta.get("val"))
-    dim = _norm(ctx.arg("dim", 2, 0), len(src))
+        return (
+            _replicate_or_partial(p)
+            if isinstance(p, (Partial, Replicate))
+            else "cannot split this value"
+        )
+    src = _shape_of(ctx.arg("input"))
+    dim = _norm(ctx.arg("dim", 0), len(src))
     if dim != p.dim:
         return (p,) * n
     # Splitting a blocked dim into its blocks (an all-gather followed by DTensor's
@@ -388,182 +457,302 @@ def _split(ctx: _Ctx) -> NodePlacement | str:
     return "split along the split dim"
 
 
-@_rule(aten.cat)
-def _cat(ctx: _Ctx) -> NodePlacement | str:
-    tensors = ctx.node.args[0]
+def unbind(ctx: RuleContext) -> NodePlacement | str:
+    p = _input(ctx)
+    n = len(ctx.out)
+    if not isinstance(p, Split):
+        return _replicate_or_partial(p) if isinstance(p, Replicate) else "cannot unbind this value"
+    dim = _norm(ctx.arg("dim", 0), len(_shape_of(ctx.arg("input"))))
+    if dim == p.dim:
+        return "unbind along the split dim"
+    return (Split(p.dim - (dim < p.dim), p.blocks),) * n
+
+
+def cat(ctx: RuleContext) -> NodePlacement | str:
+    tensors = ctx.arg("tensors")
     ps = {ctx.pl(t) for t in tensors}
     if len(ps) != 1:
         return "concatenation of differently placed tensors"
     (p,) = ps
     if not isinstance(p, Split):
-        return _replicate_or_partial(p) if isinstance(p, Replicate) else "concatenation of partial sums"
+        return (
+            _replicate_or_partial(p)
+            if isinstance(p, Replicate)
+            else "concatenation of partial sums"
+        )
     ndim = len(_shape(ctx.out))
-    dim = _norm(ctx.arg("dim", 1, 0), ndim)
+    dim = _norm(ctx.arg("dim", 0), ndim)
     if dim != p.dim:
         return p
-    sizes = {_shape(t.meta.get("val"))[dim] for t in tensors}
+    sizes = {_shape_of(t)[dim] for t in tensors}
     if p.blocks == 1 and len(sizes) == 1:
         return Split(dim, len(tensors))
     return "concatenation along the split dim of unequal or blocked pieces"
 
 
+def stack(ctx: RuleContext) -> NodePlacement | str:
+    ps = {ctx.pl(t) for t in ctx.arg("tensors")}
+    if len(ps) != 1 or not isinstance(next(iter(ps)), Split):
+        return "stack of differently placed tensors"
+    (p,) = ps
+    dim = _norm(ctx.arg("dim", 0), len(_shape(ctx.out)))
+    return Split(p.dim + (dim <= p.dim), p.blocks)
+
+
+def constant_pad(ctx: RuleContext) -> NodePlacement | str:
+    """Padding (pairs of amounts for the last dims first) keeps a split dim it leaves alone."""
+    p = _input(ctx)
+    if not isinstance(p, Split):
+        return "padding of a partial sum" if isinstance(p, Partial) else f"cannot follow {p}"
+    ndim = len(_shape_of(ctx.arg("input")))
+    pad = list(ctx.arg("pad"))
+    padded = {ndim - 1 - i // 2 for i, amount in enumerate(pad) if amount != 0}
+    return "padding along the split dim" if p.dim in padded else p
+
+
+# -- indexing -------------------------------------------------------------------------------
+
+
+def gather(ctx: RuleContext) -> NodePlacement | str:
+    """``out[..i..] = input[..index[..i..]..]`` along ``dim``: a split elsewhere pairs rows."""
+    src, index = ctx.pl(ctx.arg("input")), ctx.pl(ctx.arg("index"))
+    dim = _norm(ctx.arg("dim"), len(_shape(ctx.out)))
+    if isinstance(src, Split) and src == index and src.dim != dim and src.blocks == 1:
+        return src
+    return "gather whose input and index are not split alike along another dim"
+
+
+def index_select(ctx: RuleContext) -> NodePlacement | str:
+    src, index = ctx.pl(ctx.arg("input")), ctx.pl(ctx.arg("index"))
+    dim = _norm(ctx.arg("dim"), len(_shape(ctx.out)))
+    if isinstance(src, Split) and isinstance(index, Replicate) and src.dim != dim:
+        return src
+    if isinstance(src, Replicate) and isinstance(index, Split) and index.blocks == 1:
+        return Split(dim)  # rows picked by split ids (a frequency table indexed by position)
+    return "index_select of this input and index"
+
+
+def index(ctx: RuleContext) -> NodePlacement | str:
+    """``input[..., idx, ...]``: replicated index tensors on dims other than the split one."""
+    p = _input(ctx)
+    indices = list(ctx.arg("indices"))
+    used = [d for d, i in enumerate(indices) if i is not None]
+    if (
+        not isinstance(p, Split)
+        or p.dim in used
+        or any(not isinstance(ctx.pl(indices[d]), Replicate) for d in used)
+    ):
+        return "indexing the split dim, or with split indices"
+    if used != list(range(used[0], used[-1] + 1)):
+        return "advanced indices that are not adjacent"
+    if p.dim < used[0]:
+        return p
+    index_ndim = max(len(_shape_of(indices[d])) for d in used)
+    return Split(p.dim - len(used) + index_ndim, p.blocks)
+
+
 # -- matmuls, reductions, normalisations ------------------------------------------------
 
 
-@_rule(aten.mm)
-def _mm(ctx: _Ctx) -> NodePlacement | str:
-    a, b = (ctx.pl(x) for x in ctx.node.args[:2])
-    return _matmul(a, b, 0, 1)
+def mm(ctx: RuleContext) -> NodePlacement | str:
+    return _matmul(ctx.pl(ctx.arg("input")), ctx.pl(ctx.arg("mat2")), 0, 1)
 
 
-@_rule(aten.addmm)
-def _addmm(ctx: _Ctx) -> NodePlacement | str:
-    bias, a, b = (ctx.pl(x) for x in ctx.node.args[:3])
-    if not isinstance(bias, Replicate):
-        return "addmm with a split bias"
-    result = _matmul(a, b, 0, 1)
+def addmm(ctx: RuleContext) -> NodePlacement | str:
+    bias = ctx.arg("input")
+    if (
+        not isinstance(ctx.pl(bias), Replicate)
+        or len(_shape_of(bias)) == 2
+        and _shape_of(bias)[0] != 1
+    ):
+        return "addmm with a bias that is split or varies over rows"
+    result = _matmul(ctx.pl(ctx.arg("mat1")), ctx.pl(ctx.arg("mat2")), 0, 1)
     return result if isinstance(result, Split) else "addmm adds its bias once per contribution"
 
 
-@_rule(aten.bmm)
-def _bmm(ctx: _Ctx) -> NodePlacement | str:
-    a, b = (ctx.pl(x) for x in ctx.node.args[:2])
+def bmm(ctx: RuleContext) -> NodePlacement | str:
+    a, b = ctx.pl(ctx.arg("input")), ctx.pl(ctx.arg("mat2"))
     if a == b == Split(0):
         return Split(0)
     return _matmul(a, b, 1, 2, batch=True)
 
 
-def _matmul(a: NodePlacement, b: NodePlacement, row: int, col: int, batch: bool = False) -> NodePlacement | str:
-    """C = A @ B: split rows of A or columns of B stay split; a split contraction is a partial sum."""
+def _matmul(
+    a: NodePlacement, b: NodePlacement, row: int, col: int, batch: bool = False
+) -> NodePlacement | str:
+    """C = A @ B: split rows of A or columns of B stay split; a split contraction is a
+    partial sum."""
     rep_a, rep_b = isinstance(a, Replicate), isinstance(b, Replicate)
     if isinstance(a, Split) and rep_b and a.dim == row and not batch:
         return a
     if rep_a and isinstance(b, Split) and b.dim == col and not batch:
         return b
-    if isinstance(a, Split) and isinstance(b, Split) and (a.dim, b.dim) == (col, row) and a.blocks == b.blocks:
+    if (
+        isinstance(a, Split)
+        and isinstance(b, Split)
+        and (a.dim, b.dim) == (col, row)
+        and a.blocks == b.blocks
+    ):
         return PARTIAL
     if (isinstance(a, Partial) and rep_b) or (rep_a and isinstance(b, Partial)):
         return PARTIAL
     return f"matmul of {a} and {b}"
 
 
-def _reduced_dims(ctx: _Ctx, index: int) -> list[int]:
-    ndim = len(_shape(ctx.node.args[0].meta.get("val")))
-    dims = ctx.arg("dim", index, None)
+def _reduced_dims(ctx: RuleContext) -> list[int]:
+    ndim = len(_shape_of(ctx.arg("input")))
+    dims = ctx.arg("dim")
     if dims is None or dims == []:
         return list(range(ndim))
     return [_norm(d, ndim) for d in ([dims] if isinstance(dims, int) else dims)]
 
 
-def _reduction(ctx: _Ctx, linear: bool) -> NodePlacement | str:
-    p = ctx.pl(ctx.node.args[0])
+def _reduction(ctx: RuleContext, linear: bool) -> NodePlacement | str:
+    p = _input(ctx)
     if isinstance(p, Partial):
         return PARTIAL if linear else "nonlinear reduction of a partial sum"
     if not isinstance(p, Split):
         return "cannot reduce this value"
-    dims = _reduced_dims(ctx, 1)
+    dims = _reduced_dims(ctx)
     if p.dim in dims:
         return PARTIAL if linear else "reduction over the split dim"
-    keepdim = bool(ctx.arg("keepdim", 2, False))
+    keepdim = bool(ctx.arg("keepdim", False))
     return Split(p.dim if keepdim else p.dim - sum(d < p.dim for d in dims), p.blocks)
 
 
-@_rule(aten.sum)
-def _sum(ctx: _Ctx) -> NodePlacement | str:
+def sum_(ctx: RuleContext) -> NodePlacement | str:
     return _reduction(ctx, linear=True)
 
 
-@_rule(aten.mean, aten.amax, aten.amin, aten.prod, aten.var, aten.std, aten.any, aten.all)
-def _other_reduction(ctx: _Ctx) -> NodePlacement | str:
+def reduction(ctx: RuleContext) -> NodePlacement | str:
     return _reduction(ctx, linear=False)
 
 
-@_rule(aten.var_mean)
-def _var_mean(ctx: _Ctx) -> NodePlacement | str:
+def var_mean(ctx: RuleContext) -> NodePlacement | str:
     result = _reduction(ctx, linear=False)
     return result if isinstance(result, str) else (result, result)
 
 
-@_rule(aten._softmax, aten._log_softmax)
-def _softmax(ctx: _Ctx) -> NodePlacement | str:
-    p = ctx.pl(ctx.node.args[0])
-    dim = _norm(ctx.node.args[1], len(_shape(ctx.out)))
-    return p if isinstance(p, Split) and p.dim != dim else "softmax along the split dim"
+def along_dim(ctx: RuleContext) -> NodePlacement | str:
+    """Ops that mix values along one ``dim`` only (softmax, cumsum, sort, topk)."""
+    p = _input(ctx)
+    dim = _norm(ctx.arg("dim", -1), len(_shape_of(ctx.arg("input"))))
+    if not isinstance(p, Split) or p.dim == dim:
+        return f"{ctx.node.target} along the split dim or of an unsplit value"
+    return (p,) * len(ctx.out) if isinstance(ctx.out, (tuple, list)) else p
 
 
-@_rule(aten._softmax_backward_data, aten._log_softmax_backward_data)
-def _softmax_backward(ctx: _Ctx) -> NodePlacement | str:
-    a, b = ctx.pl(ctx.node.args[0]), ctx.pl(ctx.node.args[1])
-    dim = _norm(ctx.node.args[2], len(_shape(ctx.out)))
-    return a if isinstance(a, Split) and a == b and a.dim != dim else "softmax backward along the split dim"
+def softmax_backward(ctx: RuleContext) -> NodePlacement | str:
+    a, b = ctx.pl(ctx.arg("grad_output")), ctx.pl(ctx.arg("output"))
+    dim = _norm(ctx.arg("dim"), len(_shape(ctx.out)))
+    return (
+        a
+        if isinstance(a, Split) and a == b and a.dim != dim
+        else "softmax backward along the split dim"
+    )
+
+
+def nll_loss(ctx: RuleContext) -> NodePlacement | str:
+    """Rows of the logits with their targets; a summed loss is a partial sum (a mean is not)."""
+    logits, target = ctx.pl(ctx.arg("input")), ctx.pl(ctx.arg("target"))
+    if (
+        logits != Split(0)
+        or target != Split(0)
+        or not isinstance(ctx.pl(ctx.arg("weight")), Replicate)
+    ):
+        return "nll_loss of rows and targets not split alike"
+    reduction = ctx.arg("reduction")
+    if reduction == 0:  # none
+        return (Split(0), REPLICATE)
+    if reduction == 2:  # sum
+        return (PARTIAL, PARTIAL)
+    return "mean nll_loss: a ratio of sums over the batch"
+
+
+def nll_loss_backward(ctx: RuleContext) -> NodePlacement | str:
+    logits, target = ctx.pl(ctx.arg("input")), ctx.pl(ctx.arg("target"))
+    grad = ctx.pl(ctx.arg("grad_output"))
+    ok_grad = grad == Split(0) if ctx.arg("reduction") == 0 else isinstance(grad, Replicate)
+    if (
+        logits == target == Split(0)
+        and ok_grad
+        and isinstance(ctx.pl(ctx.arg("total_weight")), Replicate)
+    ):
+        return Split(0)
+    return "nll_loss backward of rows and targets not split alike"
 
 
 # -- attention ----------------------------------------------------------------------------
 
 
-def _attention(outputs: Sequence[str], tensors: int, dropout_index: int, bias_index: int | None = None) -> Rule:
-    """Attention kernels are batched over dim 0 of q, k, v (and of their gradients)."""
+@dataclass(frozen=True)
+class AttentionKernel:
+    """Where an attention kernel's batched operands and results are, by argument name.
 
-    def rule(ctx: _Ctx) -> NodePlacement | str:
-        if ctx.arg("dropout_p", dropout_index, 0.0):
+    Attention kernels are batched over dim 0 of their ``batched`` tensors (query, key,
+    value; gradients, output and logsumexp in the backward). ``outputs`` places each
+    result: "split" along the batch, or "local" (seeds, offsets, sizes: per nanobatch).
+    ``mask`` names the additive mask or bias argument, which broadcasts over the batch,
+    is split like the queries, or is one whole-batch value (Hugging Face's per-sample
+    mask) sliced per nanobatch (``OpFacts.aligned_operands``).
+    """
+
+    batched: tuple[str, ...]
+    outputs: tuple[str, ...]
+    mask: str | None = None
+
+    def __call__(self, ctx: RuleContext) -> NodePlacement | str:
+        if ctx.arg("dropout_p", 0.0):
             return "attention with dropout: splitting it would change the random stream"
-        ps = [ctx.pl(a) for a in ctx.node.args[:tensors]]
-        if any(p != Split(0) for p in ps if not isinstance(p, Local)):
+        if any(ctx.pl(ctx.arg(name)) != Split(0) for name in self.batched):
             return "attention inputs not split along the batch dim"
-        bias = ctx.node.kwargs.get("attn_mask")
-        if bias_index is not None:
-            bias = ctx.arg("attn_bias", bias_index, None)
-        if bias is not None and not _broadcast_over_batch(ctx, bias):
-            return "attention mask or bias that varies over the batch"
-        return tuple({"split": Split(0), "local": LOCAL}[o] for o in outputs)
+        mask = ctx.arg(self.mask) if self.mask else None
+        if (
+            isinstance(mask, torch.fx.Node)
+            and not isinstance(ctx.pl(mask), Replicate)
+            and ctx.pl(mask) != Split(0)
+        ):
+            return "attention mask or bias split otherwise than the batch"
+        if list(ctx.arg("grad_input_mask") or ())[3:4] == [True] and not _broadcasts(mask):
+            return "gradient of a batch-varying attention bias"
+        return tuple({"split": Split(0), "local": LOCAL}[o] for o in self.outputs)
 
-    return rule
 
-
-def _broadcast_over_batch(ctx: _Ctx, mask: object) -> bool:
-    """A replicated mask of (batch, heads, q, k) layout of size 1 along the batch, or of fewer dims."""
-    if not isinstance(mask, torch.fx.Node) or not isinstance(ctx.pl(mask), Replicate):
-        return False
-    shape = _shape(mask.meta.get("val"))
+def _broadcasts(mask: object) -> bool:
+    shape = _shape_of(mask)
     return len(shape) < 4 or shape[0] == 1
-
-
-RULES[aten._scaled_dot_product_flash_attention_for_cpu.default] = _attention(["split"] * 2, 3, 3)
-RULES[aten._scaled_dot_product_flash_attention_for_cpu_backward.default] = _attention(["split"] * 3, 6, 6)
-RULES[aten._scaled_dot_product_flash_attention.default] = _attention(
-    ["split", "split"] + ["local"] * 7, 3, 3
-)
-RULES[aten._scaled_dot_product_flash_attention_backward.default] = _attention(["split"] * 3, 6, 10)
-RULES[aten._scaled_dot_product_efficient_attention.default] = _attention(
-    ["split", "split", "local", "local"], 3, 5, bias_index=3
-)
 
 
 # -- embeddings and masked writes ---------------------------------------------------------
 
 
-@_rule(aten.embedding)
-def _embedding(ctx: _Ctx) -> NodePlacement | str:
-    weight, indices = ctx.pl(ctx.node.args[0]), ctx.pl(ctx.node.args[1])
-    return indices if isinstance(weight, Replicate) and isinstance(indices, Split) else "embedding of split weights"
+def embedding(ctx: RuleContext) -> NodePlacement | str:
+    weight, indices = ctx.pl(ctx.arg("weight")), ctx.pl(ctx.arg("indices"))
+    return (
+        indices
+        if isinstance(weight, Replicate) and isinstance(indices, Split)
+        else "embedding of split weights"
+    )
 
 
-@_rule(aten.embedding_dense_backward)
-def _embedding_backward(ctx: _Ctx) -> NodePlacement | str:
-    grad, indices = ctx.pl(ctx.node.args[0]), ctx.pl(ctx.node.args[1])
-    if ctx.arg("scale_grad_by_freq", 4, False):
+def embedding_backward(ctx: RuleContext) -> NodePlacement | str:
+    grad, indices = ctx.pl(ctx.arg("grad_output")), ctx.pl(ctx.arg("indices"))
+    if ctx.arg("scale_grad_by_freq", False):
         return "embedding backward scaled by frequency"
     # grad is indices' shape plus the embedding dim: the same split pairs rows with ids
     ok = isinstance(grad, Split) and grad == indices and grad.blocks == 1
     return PARTIAL if ok else "embedding backward of unsplit or misaligned gradients"
 
 
-@_rule(aten._unsafe_masked_index_put_accumulate)
-def _masked_accumulate(ctx: _Ctx) -> NodePlacement | str:
-    return _accumulate_into_zeros(ctx, ctx.node.args[0], [ctx.node.args[1], *ctx.node.args[2], ctx.node.args[3]])
+def masked_accumulate(ctx: RuleContext) -> NodePlacement | str:
+    return _accumulate_into_zeros(
+        ctx, ctx.arg("input"), [ctx.arg("mask"), *ctx.arg("indices"), ctx.arg("values")]
+    )
 
 
-def _accumulate_into_zeros(ctx: _Ctx, base: object, operands: list[object]) -> NodePlacement | str:
+def _accumulate_into_zeros(
+    ctx: RuleContext, base: object, operands: list[object]
+) -> NodePlacement | str:
     """Scatter-adding the batch into zeros (an embedding's weight gradient) is a partial sum:
     each nanobatch scatters its rows into its own zeros, and the results add up."""
     zeros = (
@@ -579,12 +768,11 @@ def _accumulate_into_zeros(ctx: _Ctx, base: object, operands: list[object]) -> N
     return PARTIAL
 
 
-@_rule(aten.index_put)
-def _index_put(ctx: _Ctx) -> NodePlacement | str:
+def index_put(ctx: RuleContext) -> NodePlacement | str:
     """``x[mask] = value`` with a boolean mask split like ``x`` and a replicated value; or
     a scatter-add of the batch into zeros."""
-    x, indices, values = ctx.node.args[:3]
-    if ctx.arg("accumulate", 3, False):
+    x, indices, values = ctx.arg("input"), ctx.arg("indices"), ctx.arg("values")
+    if ctx.arg("accumulate", False):
         return _accumulate_into_zeros(ctx, x, [*indices, values])
     p = ctx.pl(x)
     if not isinstance(p, Split) or len(indices) != 1:
@@ -593,7 +781,7 @@ def _index_put(ctx: _Ctx) -> NodePlacement | str:
     mask_val = mask.meta.get("val") if isinstance(mask, torch.fx.Node) else None
     if mask_val is None or mask_val.dtype != torch.bool or p.dim >= mask_val.ndim:
         return "index_put other than a masked fill of leading dims"
-    if ctx.pl(mask) != p or not isinstance(ctx.pl(values), Replicate) or _shape(values.meta.get("val")):
+    if ctx.pl(mask) != p or not isinstance(ctx.pl(values), Replicate) or _shape_of(values):
         return "masked fill with a mask or value not placed like its target"
     return p
 
@@ -601,17 +789,15 @@ def _index_put(ctx: _Ctx) -> NodePlacement | str:
 # -- collectives -----------------------------------------------------------------------
 
 
-@_rule(c10d.all_reduce)
-def _all_reduce(ctx: _Ctx) -> NodePlacement | str:
-    p = ctx.pl(ctx.node.args[0])
-    if isinstance(p, Partial) and ctx.node.args[1] != "sum":
+def all_reduce(ctx: RuleContext) -> NodePlacement | str:
+    p = _input(ctx)
+    if isinstance(p, Partial) and ctx.arg("reduce_op") != "sum":
         return "all-reduce of a partial sum with an op other than sum"
     return p if isinstance(p, (Split, Partial)) else "all-reduce of this value"
 
 
-@_rule(c10d.all_gather_into_tensor)
-def _all_gather(ctx: _Ctx) -> NodePlacement | str:
-    p, n = ctx.pl(ctx.node.args[0]), ctx.node.args[1]
+def all_gather(ctx: RuleContext) -> NodePlacement | str:
+    p, n = _input(ctx), ctx.arg("group_size")
     if not isinstance(p, Split):
         return "all-gather of an unsplit value"
     if p.dim != 0:
@@ -619,14 +805,23 @@ def _all_gather(ctx: _Ctx) -> NodePlacement | str:
     return Split(0, n) if p.blocks == 1 else "all-gather of a blocked split dim"
 
 
-@_rule(c10d.reduce_scatter_tensor)
-def _reduce_scatter(ctx: _Ctx) -> NodePlacement | str:
-    p, n = ctx.pl(ctx.node.args[0]), ctx.node.args[2]
+def reduce_scatter(ctx: RuleContext) -> NodePlacement | str:
+    p, n = _input(ctx), ctx.arg("group_size")
     if isinstance(p, Partial):
-        return p if ctx.node.args[1] == "sum" else "reduce-scatter of a partial sum with an op other than sum"
+        return (
+            p
+            if ctx.arg("reduce_op") == "sum"
+            else "reduce-scatter of a partial sum with an op other than sum"
+        )
     if not isinstance(p, Split):
         return "reduce-scatter of this value"
     if p.dim != 0:
         return p
     return Split(0) if p.blocks == n else "reduce-scatter along the batch dim"
 
+
+def all_to_all(ctx: RuleContext) -> str:
+    return (
+        "all-to-all (expert parallelism): its split sizes are data-dependent, "
+        "not yet split per nanobatch"
+    )

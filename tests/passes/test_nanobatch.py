@@ -10,10 +10,17 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from conftest import tp_llama
 from torch._inductor.utils import run_and_get_code
+from torch.fx.experimental.proxy_tensor import make_fx
 
 import kareus
 import kareus.backend
+
+aten = torch.ops.aten
 from kareus.passes.memory import peak_memory_bytes
+from kareus.passes.nanobatch import Schedule, nanobatch_graph
+from kareus.passes.ops import OP_TABLE
+from kareus.passes.partition import partition_graph
+from kareus.passes.placement import Split, propagate
 from kareus.passes.variants import Variant
 
 
@@ -130,12 +137,12 @@ def test_batch_not_divisible_runs_unrewritten(fake_pg):
 
 def test_op_without_rule_ends_the_split_region(fake_pg):
     torch.manual_seed(0)
-    model = AllReduceMLP(before=lambda h: torch.cumsum(h, dim=0))  # mixes the batch
+    model = AllReduceMLP(before=lambda h: torch.flip(h, dims=[0]))  # mixes the batch
     forward, _ = _fallback(model, torch.randn(4, 8))
     assert forward.nanobatches == 1
     assert "no collective stays split" in forward.fallback_reason
-    assert "no placement rule for aten.cumsum" in forward.fallback_reason
-    assert any(b.reason.startswith("no placement rule for aten.cumsum") for b in forward.barriers)
+    assert "no placement rule for prims.rev" in forward.fallback_reason
+    assert any(b.reason.startswith("no placement rule for prims.rev") for b in forward.barriers)
 
 
 def test_random_op_after_the_collective_keeps_the_random_stream(fake_pg):
@@ -213,3 +220,89 @@ def test_split_inputs_of_the_caller_are_never_written(fake_pg):
     model(tokens)
     assert kareus.graph_reports()[0].nanobatches == 4
     assert torch.equal(tokens, before)
+
+
+def _gqa(x, wq, wkv):
+    """Grouped-query attention as Hugging Face writes it: K/V expanded over heads (stride 0)."""
+    b, s, _ = x.shape
+    q = (x @ wq).view(b, s, 4, 4).transpose(1, 2)
+    k, v = (x @ wkv).view(b, s, 2, 1, 4).unbind(2)
+    k, v = (t.transpose(1, 2)[:, :, None].expand(b, 1, 4, s, 4).reshape(b, 4, s, 4) for t in (k, v))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def test_joined_broadcast_values_keep_a_unit_stride_last_dim():
+    """Regression (HF Llama, GQA, eager lowering, k = 2 and 4 gave a wrong loss): attention
+    running on the whole batch gets K/V joined from nanobatch pieces; the join put the
+    stride-0 head dim innermost, and the CPU flash kernel read a last dim of stride 4."""
+    inputs = (torch.randn(4, 8, 16), torch.randn(16, 16), torch.randn(16, 8))
+    gm = make_fx(_gqa)(*inputs)
+    attention = aten._scaled_dot_product_flash_attention_for_cpu.default
+    x = next(iter(gm.graph.find_nodes(op="placeholder")))
+    placements = propagate(gm.graph, {x: Split(0)}, 2, OP_TABLE.without_rule(attention))
+    assert [b.reason for b in placements.barriers] == [f"no placement rule for {attention}"]
+    rewritten = nanobatch_graph(gm, partition_graph(gm.graph, []), [], placements, Schedule(2, (), ()), inputs)
+    (joined,) = rewritten.graph.find_nodes(op="call_function", target=attention)
+    assert [a.meta["val"].stride(-1) for a in joined.args[:3]] == [1, 1, 1]
+    torch.testing.assert_close(rewritten(*inputs), gm(*inputs))
+
+
+def test_dynamic_batch_sizes_compile_once_and_say_why_they_are_not_split(fake_pg):
+    """Placement must not specialise symbolic sizes (one graph for every batch size, as
+    with Inductor), and the report says why the graph runs unrewritten."""
+    torch.manual_seed(0)
+    model = AllReduceMLP()
+    compiled = torch.compile(model, backend="kareus", dynamic=True, options={"nanobatches": 2, "lowering": "eager"})
+    for batch in (2, 3, 5, 8, 12):
+        x = torch.randn(batch, 8)
+        torch.testing.assert_close(compiled(x), model(x))
+    (forward,) = [r for r in kareus.graph_reports() if r.kind == "forward"]
+    assert forward.nanobatches == 1 and "symbolic sizes" in forward.fallback_reason
+
+
+def _forward_graph(model, x):
+    """The forward graph AOT autograd hands kareus, and its example inputs."""
+    captured = []
+    real_lower = kareus.backend.lower
+
+    def spy(gm, inputs, *args, **kwargs):
+        captured.append((gm, inputs))
+        return real_lower(gm, inputs, *args, **kwargs)
+
+    kareus.backend.lower = spy
+    try:
+        torch.compile(model, backend="kareus", options={"lowering": "eager"})(x)
+    finally:
+        kareus.backend.lower = real_lower
+    return captured[0]
+
+
+def _most_all_gathers_in_flight(graph):
+    in_flight, most = set(), 0
+    for node in graph.nodes:
+        if node.target is torch.ops._c10d_functional.all_gather_into_tensor.default:
+            in_flight.add(node)
+            most = max(most, len(in_flight))
+        elif node.target is torch.ops._c10d_functional.wait_tensor.default:
+            in_flight.discard(node.args[0])
+    return most
+
+
+def test_exclusive_collectives_are_never_two_in_flight(fake_pg):
+    """gloo corrupts the heap with two all-gathers in flight on one group (torch 2.11-2.14):
+    for such a backend each is waited before the next is issued."""
+    from kareus.passes.collectives import find_collectives
+    from kareus.passes.interface import forward_inputs
+
+    gm, inputs = _forward_graph(tp_llama(2, sequence_parallel=True), torch.randint(0, 256, (4, 16)))
+    collectives = find_collectives(gm.graph)
+    placements = propagate(gm.graph, forward_inputs(gm.graph, range(1, len(inputs))), 4, OP_TABLE)
+    schedule = Schedule(4, (0,) * len(collectives), (None,) * len(collectives))
+    graphs = {
+        name: nanobatch_graph(
+            gm, partition_graph(gm.graph, collectives), collectives, placements, schedule, inputs, exclusive
+        ).graph
+        for name, exclusive in [("free", lambda g: frozenset()), ("gloo", lambda g: frozenset({"all_gather"}))]
+    }
+    assert _most_all_gathers_in_flight(graphs["free"]) > 1
+    assert _most_all_gathers_in_flight(graphs["gloo"]) == 1

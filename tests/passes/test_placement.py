@@ -8,6 +8,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import kareus
 import kareus.backend
 from kareus.passes.collectives import find_collectives
+from kareus.passes.ops import OP_TABLE
 from kareus.passes.partition import partition_graph
 from kareus.passes.placement import PARTIAL, REPLICATE, Split, Whole, _reshaped, propagate
 from kareus.passes.variants import partition_workload
@@ -34,7 +35,7 @@ def test_reshape_follows_the_split_dim(src, dst, split, k, expected):
 def _placements(fn, *args, split_inputs=(0,), k=2):
     gm = make_fx(fn)(*args)
     inputs = list(gm.graph.find_nodes(op="placeholder"))
-    result = propagate(gm.graph, {inputs[i]: Split(0) for i in split_inputs}, k)
+    result = propagate(gm.graph, {inputs[i]: Split(0) for i in split_inputs}, k, OP_TABLE)
     return gm, {n.name: p for n, p in result.placements.items()}, result
 
 
@@ -85,7 +86,7 @@ def test_partition_alone_runs_and_costs_on_one_nanobatch(fake_pg):
     (report,) = kareus.graph_reports()
     collectives = find_collectives(graph)
     partitioning = partition_graph(graph, collectives)
-    placements = propagate(graph, forward_inputs(graph, _static_inputs(graph)), 2)
+    placements = propagate(graph, forward_inputs(graph, _static_inputs(graph)), 2, OP_TABLE)
     mlp = partitioning.partitions[4]
     gpu = SimulatedGPU("sim:h200")
     times = []
@@ -102,8 +103,9 @@ def _static_inputs(graph):
     return list(range(1, len(list(graph.find_nodes(op="placeholder")))))
 
 
-@pytest.mark.parametrize("mask_batch, split", [(1, True), (4, False)])
-def test_attention_splits_unless_its_mask_varies_over_the_batch(mask_batch, split):
+@pytest.mark.parametrize("mask_batch", [1, 4], ids=["broadcast-mask", "per-sample-mask"])
+def test_attention_splits_with_a_broadcast_or_a_per_sample_mask(mask_batch):
+    """Hugging Face builds one mask per sample: it is cut per nanobatch, not a barrier."""
     import torch.nn.functional as F
 
     q = torch.randn(4, 2, 8, 16)
@@ -113,8 +115,99 @@ def test_attention_splits_unless_its_mask_varies_over_the_batch(mask_batch, spli
         split_inputs=(0, 1, 2),
     )
     (attention,) = [n for n in gm.graph.nodes if "attention" in str(n.target)]
-    if split:
-        assert p[attention.name][0] == Split(0) and result.barriers == ()
-    else:
-        assert isinstance(p[attention.name], Whole)
-        assert "varies over the batch" in result.barriers[0].reason
+    assert p[attention.name][0] == Split(0) and result.barriers == ()
+
+
+# -- rules for the ops of the models people train (one test per rule) ---------------------
+
+
+def test_complex_rope_keeps_the_batch_split():
+    """Llama 3 (torchtitan) rotates pairs as complex numbers: view_as_complex / view_as_real."""
+    x, freqs = torch.randn(4, 6, 2, 8), torch.polar(torch.ones(6, 1, 4), torch.randn(6, 1, 4))
+
+    def rope(x, f):
+        xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(xc * f).flatten(3)
+
+    _, p, result = _placements(rope, x, freqs)
+    assert p["view_as_complex"] == Split(0) and p["view_as_real"] == Split(0)
+    assert result.barriers == ()
+
+
+def test_gather_by_split_ids_and_padding_off_the_split_dim():
+    """Cross-entropy picks each row's target with gather; HF pads the labels by one token."""
+    logits, labels = torch.randn(4, 10), torch.randint(0, 10, (4, 1))
+    _, p, result = _placements(
+        lambda x, y: x.gather(1, torch.nn.functional.pad(y, (0, 1))[:, :1]), logits, labels,
+        split_inputs=(0, 1),
+    )
+    assert p["constant_pad_nd"] == Split(0) and p["gather"] == Split(0) and result.barriers == ()
+    _, p, result = _placements(lambda y: torch.nn.functional.pad(y, (0, 0, 1, 0)), torch.randn(4, 3))
+    assert [b.reason for b in result.barriers] == ["padding along the split dim"]
+
+
+def test_table_rows_picked_by_split_positions():
+    """A frequency table indexed by (split) positions, torchtitan 0.3's RoPE."""
+    _, p, _ = _placements(lambda pos, t: t.index_select(0, pos), torch.arange(4), torch.randn(16, 8))
+    assert p["index_select"] == Split(0)
+
+
+@pytest.mark.parametrize("reduction, expected", [("none", Split(0)), ("sum", PARTIAL)])
+def test_nll_loss_rows_and_sums(reduction, expected):
+    _, p, result = _placements(
+        lambda x, y: torch.nn.functional.nll_loss(x, y, reduction=reduction),
+        torch.randn(8, 5).log_softmax(-1), torch.randint(0, 5, (8,)), split_inputs=(0, 1),
+    )
+    (loss,) = [n for n in p if n.startswith("nll_loss_forward")]
+    assert p[loss][0] == expected and result.barriers == ()
+
+
+def test_slice_backward_writes_split_rows():
+    src = torch.randn(4, 3)
+    _, p, result = _placements(
+        lambda s: torch.ops.aten.slice_scatter(torch.zeros(4, 5), s, 1, 1, 4), src
+    )
+    assert p["slice_scatter"] == Split(0) and result.barriers == ()
+
+
+def _meta(*shape):
+    return torch.empty(*shape, device="meta")
+
+
+@pytest.mark.parametrize(
+    "forward, backward",
+    [
+        (
+            lambda q, k, v: aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True),
+            lambda g, q, k, v, o, lse, f: aten._scaled_dot_product_flash_attention_backward(
+                g, q, k, v, o, lse, f[2], f[3], 8, 8, 0.0, True, f[6], f[7]
+            ),
+        ),
+        (
+            lambda q, k, v: aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, True),
+            lambda g, q, k, v, o, lse, f: aten._scaled_dot_product_efficient_attention_backward(
+                g, q, k, v, None, o, lse, f[2], f[3], 0.0, [True, True, True, False], True
+            ),
+        ),
+        (
+            lambda q, k, v: aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True),
+            lambda g, q, k, v, o, lse, f: aten._scaled_dot_product_cudnn_attention_backward(
+                g, q, k, v, o, lse, f[6], f[7], None, f[2], f[3], 8, 8, 0.0, True
+            ),
+        ),
+    ],
+    ids=["flash", "efficient", "cudnn"],
+)
+def test_gpu_attention_kernels_split_forward_and_backward(forward, backward):
+    """The CUDA kernels, traced on meta tensors: outputs, logsumexp and gradients split."""
+
+    def step(q, k, v, g):
+        f = forward(q, k, v)
+        return f[0], backward(g, q, k, v, f[0], f[1], f)
+
+    q = _meta(4, 2, 8, 16)
+    _, p, result = _placements(step, q, q, q, q, split_inputs=(0, 1, 2, 3))
+    (fwd,) = [n for n in p if n.startswith("_scaled_dot") and "backward" not in n]
+    (bwd,) = [n for n in p if n.startswith("_scaled_dot") and "backward" in n]
+    assert p[fwd][:2] == (Split(0), Split(0)) and p[bwd][:3] == (Split(0),) * 3
+    assert result.barriers == ()

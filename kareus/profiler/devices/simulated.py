@@ -40,7 +40,6 @@ traffic), GEMM tile and wave quantisation, temperature, NVLink power (counted in
 from __future__ import annotations
 
 import math
-import operator
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -54,8 +53,10 @@ from torch.utils.flop_counter import flop_registry
 
 from kareus.codegen.clock import DEFAULT_CLOCK_MHZ, ClockSwitch, RecordingClockController
 from kareus.codegen.runtime_ops import set_clock
+from kareus.passes.collectives import WAIT_OP, find_collectives
 from kareus.passes.collectives import Collective as CollectiveRecord
-from kareus.passes.collectives import find_collectives
+from kareus.passes.ops import facts_of
+from kareus.passes.schema import arguments
 from kareus.profiler.devices.base import Device, Measurement, Workload
 from kareus.profiler.devices.presets import TENSOR_TIME_SCALE, GPUSpec, load_preset
 
@@ -67,22 +68,6 @@ _FLOP_ALIASES = {
     aten._scaled_dot_product_flash_attention_for_cpu_backward: (
         aten._scaled_dot_product_flash_attention_backward
     ),
-}
-
-# Ops that produce tensors without a kernel touching memory (allocation, metadata only).
-_FREE_OPS = {
-    aten._unsafe_view.default,
-    aten.empty.memory_format,
-    aten.empty_strided.default,
-    aten.empty_like.default,
-}
-
-# Gathers read only the rows they return from their first argument.
-_GATHER_OPS = {
-    aten.embedding.default,
-    aten.index.Tensor,
-    aten.index_select.default,
-    aten.gather.default,
 }
 
 class Step(Enum):
@@ -138,26 +123,9 @@ def _nbytes(t: torch.Tensor) -> int:
     return n
 
 
-def _argument(node: torch.fx.Node, name: str) -> object:
-    """Argument ``name`` of an OpOverload call by its schema (KeyError if absent)."""
-    for i, arg in enumerate(node.target._schema.arguments):
-        if arg.name == name:
-            if name in node.kwargs:
-                return node.kwargs[name]
-            return node.args[i] if i < len(node.args) else arg.default_value
-    raise KeyError(f"{node.target} has no argument {name!r}")
-
-
 def _is_free(node: torch.fx.Node) -> bool:
-    """Views, aliases, allocations and non-tensor (symbolic) ops launch no kernel."""
-    target = node.target
-    if target is operator.getitem or target in _FREE_OPS:
-        return True
-    if isinstance(target, torch._ops.OpOverload):
-        returns = target._schema.returns
-        if returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns):
-            return True
-    return not _tensors(_val(node))
+    """Views, aliases, allocations (the op table) and non-tensor (symbolic) ops launch no kernel."""
+    return not facts_of(node).launches_kernel or not _tensors(_val(node))
 
 
 def _val(node: torch.fx.Node) -> object:
@@ -173,11 +141,13 @@ def _kernel(node: torch.fx.Node) -> Kernel:
     out = _tensors(_val(node))
     out_bytes = sum(_nbytes(t) for t in out)
     read = 0
+    partial = facts_of(node).partial_read
+    partial_input = arguments(node).get(partial) if partial else None
     for inp in node.all_input_nodes:
         # get_attr inputs (subgraphs of higher-order ops) carry no tensor value.
         value = inp.meta.get("val") if inp.op == "get_attr" else _val(inp)
         b = sum(_nbytes(t) for t in _tensors(value))
-        if node.target in _GATHER_OPS and inp is node.args[0]:
+        if inp is partial_input:  # a gather reads only the rows it returns
             b = min(b, out_bytes)
         read += b
     packet = getattr(node.target, "overloadpacket", node.target)
@@ -188,13 +158,8 @@ def _kernel(node: torch.fx.Node) -> Kernel:
             (node.args, node.kwargs), lambda n: n.meta.get("val", n)
         )
         flops = float(_int(formula(*args, **kwargs, out_val=_val(node))))
-        if isinstance(node.target, torch._ops.OpOverload):
-            try:
-                causal = bool(_argument(node, "is_causal"))
-            except KeyError:
-                causal = False
-            # Causal attention skips the masked half (the registry counts all of it).
-            flops *= 0.5 if causal else 1.0
+        # Causal attention skips the masked half (the registry counts all of it).
+        flops *= 0.5 if arguments(node).get("is_causal") else 1.0
         inputs = _tensors(args)
         if inputs:
             flops *= TENSOR_TIME_SCALE.get(str(inputs[0].dtype).removeprefix("torch."), 1.0)
@@ -225,6 +190,8 @@ def graph_cost(gm: torch.fx.GraphModule, world_size: int = 1) -> GraphCost:
             program.append((Step.ISSUE, issued[node]))
         elif node in completed_by:
             program.append((Step.WAIT, issued[completed_by[node]]))
+        elif node.target is WAIT_OP:
+            continue  # a second wait on a tensor already waited (MoE code does this): no-op
         elif getattr(node.target, "namespace", None) == "_c10d_functional":
             raise ValueError(
                 f"simulated GPU cannot cost {node.target}: it is not a collective kareus "
@@ -232,7 +199,7 @@ def graph_cost(gm: torch.fx.GraphModule, world_size: int = 1) -> GraphCost:
                 "all_to_all_single and their coalesced forms)"
             )
         elif node.target is set_clock:
-            program.append((Step.CLOCK, int(_argument(node, "mhz"))))
+            program.append((Step.CLOCK, int(arguments(node)["mhz"])))
         elif not _is_free(node):
             program.append((Step.COMPUTE, len(kernels)))
             kernels.append(_kernel(node))

@@ -1,0 +1,286 @@
+"""One table of what kareus knows about each op.
+
+For every op a pass may meet: whether it launches a kernel and its cost class (free,
+memory-bound, or heavy: matmul / attention / convolution), whether it is pointwise or
+random, its placement rule (``placement.py``), how its arguments resize to one nanobatch,
+which of its operands are laid out like its output (per-sample masks), and which input a
+gather reads only in part. Partitioning (slots, keys), placement, the rewrite and the simulated
+GPU all read this table, so adding an op is one entry here.
+
+Ops missing from the table get facts from their ATen tags and schema: ``pointwise`` ops
+follow the broadcasting rule, ``nondeterministic_seeded`` ops are random (they end a split
+region fed by split values), ops whose results all alias an input are free views (without
+a placement rule), everything else is a memory-bound kernel without a rule.
+"""
+
+from __future__ import annotations
+
+import operator
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from enum import Enum
+from types import MappingProxyType
+
+import torch
+import torch.fx
+
+from kareus.passes import placement as rules
+from kareus.passes.placement import NodePlacement, Rule, Split
+from kareus.passes.schema import position
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+c10d = torch.ops._c10d_functional
+
+
+class Cost(Enum):
+    FREE = "free"  # no kernel: views, aliases, getitem, allocation
+    MEMORY = "memory"  # a memory-bound kernel
+    MATMUL = "matmul"
+    ATTENTION = "attention"
+    CONVOLUTION = "convolution"
+
+    @property
+    def heavy(self) -> bool:
+        """Its own launch slot: a compute-bound kernel."""
+        return self in (Cost.MATMUL, Cost.ATTENTION, Cost.CONVOLUTION)
+
+
+Resize = Callable[[torch.fx.Node, tuple, NodePlacement, int], tuple]
+
+
+@dataclass(frozen=True)
+class OpFacts:
+    cost: Cost = Cost.MEMORY
+    placement: Rule | None = None  # None: no rule, a split region ends at the op
+    resize: Resize | None = None  # rewrites arguments that spell out a batch-sized shape
+    pointwise: bool = False
+    random: bool = False
+    # Operands laid out like the output (a per-sample attention mask, a scatter's target):
+    # when replicated or whole, sliced along the output's split dim unless of size 1 there.
+    aligned_operands: tuple[str, ...] = ()
+    partial_read: str | None = None  # a gather reads of this input only the rows it returns
+
+    @property
+    def launches_kernel(self) -> bool:
+        return self.cost is not Cost.FREE
+
+
+# -- resizing the arguments that spell out a shape ---------------------------------------
+
+
+def _shape(node: torch.fx.Node) -> list[int]:
+    return [int(d) for d in node.meta["val"].shape]
+
+
+def _resize_shape(node: torch.fx.Node, args: tuple, p: NodePlacement, k: int) -> tuple:
+    """view / reshape / expand: the target shape's split dim holds one nanobatch."""
+    if not isinstance(p, Split):
+        return args
+    shape = _shape(node)
+    shape[p.dim] //= k
+    index = 1
+    return (*args[:index], shape, *args[index + 1 :])
+
+
+def _resize_split(node: torch.fx.Node, args: tuple, p: NodePlacement, k: int) -> tuple:
+    """split / split_with_sizes along the split dim (of a blocked value): sizes per nanobatch."""
+    dims = {q.dim for q in p if isinstance(q, Split)} if isinstance(p, tuple) else set()
+    source = node.args[0]
+    dim_index = position(node, "dim")
+    dim = node.kwargs.get("dim", node.args[dim_index] if len(node.args) > dim_index else 0)
+    if dims != {dim % len(_shape(source))}:
+        return args
+    sizes = args[1]
+    new = [s // k for s in sizes] if isinstance(sizes, (list, tuple)) else sizes // k
+    return (args[0], new, *args[2:])
+
+
+def _resize_slice(node: torch.fx.Node, args: tuple, p: NodePlacement, k: int) -> tuple:
+    """A slice along the split dim that the rule accepted takes the whole dim: keep all of it."""
+    if not isinstance(p, Split):
+        return args
+    dim = args[1] if len(args) > 1 else 0
+    if dim % len(_shape(node)) == p.dim:
+        return (args[0], args[1], 0, sys.maxsize, *args[4:])
+    return args
+
+
+# -- the table --------------------------------------------------------------------------
+
+_FREE = OpFacts(Cost.FREE)
+
+
+def _view(rule: Rule, resize: Resize | None = None) -> OpFacts:
+    return OpFacts(Cost.FREE, rule, resize)
+
+
+def _attention(batched: tuple[str, ...], outputs: str, mask: str | None = None) -> OpFacts:
+    kinds = tuple({"s": "split", "l": "local"}[c] for c in outputs)
+    return OpFacts(
+        Cost.ATTENTION,
+        rules.AttentionKernel(batched, kinds, mask),
+        aligned_operands=(mask,) if mask else (),
+    )
+
+
+_QKV = ("query", "key", "value")
+_QKV_BWD = ("grad_out", "query", "key", "value", "out", "logsumexp")
+
+_ENTRIES: dict[object, OpFacts] = {
+    operator.getitem: _FREE,
+    # identity-like
+    aten.clone: OpFacts(Cost.MEMORY, rules.same),
+    aten.alias: _view(rules.same),
+    aten.detach: _view(rules.same),
+    aten._to_copy: OpFacts(Cost.MEMORY, rules.same),
+    aten.contiguous: OpFacts(Cost.MEMORY, rules.same),
+    aten.lift_fresh_copy: OpFacts(Cost.MEMORY, rules.same),
+    c10d.wait_tensor: OpFacts(Cost.FREE, rules.same),
+    # views and shape changes
+    aten.view: _view(rules.view, _resize_shape),
+    aten._unsafe_view: _view(rules.view, _resize_shape),
+    aten.reshape: _view(rules.view, _resize_shape),
+    aten.expand: _view(rules.expand, _resize_shape),
+    aten.permute: _view(rules.permute),
+    aten.transpose: _view(rules.transpose),
+    aten.t: _view(rules.transpose),
+    aten.unsqueeze: _view(rules.unsqueeze),
+    aten.squeeze: _view(rules.squeeze),
+    aten.slice: _view(rules.slice_, _resize_slice),
+    aten.select: _view(rules.select),
+    aten.slice_scatter: OpFacts(Cost.MEMORY, rules.scatter_into, aligned_operands=("input",)),
+    aten.select_scatter: OpFacts(Cost.MEMORY, rules.scatter_into, aligned_operands=("input",)),
+    aten.split: _view(rules.split, _resize_split),
+    aten.split_with_sizes: _view(rules.split, _resize_split),
+    aten.unbind: _view(rules.unbind),
+    aten.view_as_complex: _view(rules.view_as_complex),
+    aten.view_as_real: _view(rules.view_as_real),
+    aten.as_strided: _FREE,
+    aten.empty: _FREE,
+    aten.empty_strided: _FREE,
+    aten.empty_like: _FREE,
+    aten.cat: OpFacts(Cost.MEMORY, rules.cat),
+    aten.stack: OpFacts(Cost.MEMORY, rules.stack),
+    aten.constant_pad_nd: OpFacts(Cost.MEMORY, rules.constant_pad),
+    # indexing
+    aten.gather: OpFacts(Cost.MEMORY, rules.gather, partial_read="input"),
+    aten.index_select: OpFacts(Cost.MEMORY, rules.index_select, partial_read="input"),
+    aten.index: OpFacts(Cost.MEMORY, rules.index, partial_read="input"),
+    aten.embedding: OpFacts(Cost.MEMORY, rules.embedding, partial_read="weight"),
+    aten.embedding_dense_backward: OpFacts(Cost.MEMORY, rules.embedding_backward),
+    aten._unsafe_masked_index_put_accumulate: OpFacts(Cost.MEMORY, rules.masked_accumulate),
+    aten.index_put: OpFacts(Cost.MEMORY, rules.index_put),
+    # matmuls
+    aten.mm: OpFacts(Cost.MATMUL, rules.mm),
+    aten.addmm: OpFacts(Cost.MATMUL, rules.addmm),
+    aten.bmm: OpFacts(Cost.MATMUL, rules.bmm),
+    aten.baddbmm: OpFacts(Cost.MATMUL),
+    aten._scaled_mm: OpFacts(Cost.MATMUL),
+    aten.convolution: OpFacts(Cost.CONVOLUTION),
+    aten.convolution_backward: OpFacts(Cost.CONVOLUTION),
+    # reductions and normalisations
+    aten.sum: OpFacts(Cost.MEMORY, rules.sum_),
+    **{
+        op: OpFacts(Cost.MEMORY, rules.reduction)
+        for op in (
+            aten.mean,
+            aten.amax,
+            aten.amin,
+            aten.argmax,
+            aten.argmin,
+            aten.prod,
+            aten.var,
+            aten.std,
+            aten.any,
+            aten.all,
+        )
+    },
+    aten.var_mean: OpFacts(Cost.MEMORY, rules.var_mean),
+    aten._softmax: OpFacts(Cost.MEMORY, rules.along_dim),
+    aten._log_softmax: OpFacts(Cost.MEMORY, rules.along_dim),
+    aten.cumsum: OpFacts(Cost.MEMORY, rules.along_dim),
+    aten.sort: OpFacts(Cost.MEMORY, rules.along_dim),
+    aten.topk: OpFacts(Cost.MEMORY, rules.along_dim),
+    aten._softmax_backward_data: OpFacts(Cost.MEMORY, rules.softmax_backward),
+    aten._log_softmax_backward_data: OpFacts(Cost.MEMORY, rules.softmax_backward),
+    aten.nll_loss_forward: OpFacts(Cost.MEMORY, rules.nll_loss),
+    aten.nll_loss_backward: OpFacts(Cost.MEMORY, rules.nll_loss_backward),
+    # attention kernels (CPU, and CUDA's flash / efficient / cuDNN / overrideable)
+    aten._scaled_dot_product_flash_attention_for_cpu: _attention(_QKV, "ss", "attn_mask"),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: _attention(
+        _QKV_BWD, "sss", "attn_mask"
+    ),
+    aten._scaled_dot_product_flash_attention: _attention(_QKV, "ssl" + "l" * 6),
+    aten._scaled_dot_product_flash_attention_backward: _attention(_QKV_BWD, "sss"),
+    aten._scaled_dot_product_efficient_attention: _attention(_QKV, "ssll", "attn_bias"),
+    aten._scaled_dot_product_efficient_attention_backward: _attention(
+        ("grad_out_", *_QKV_BWD[1:]), "sssl", "attn_bias"
+    ),
+    aten._scaled_dot_product_cudnn_attention: _attention(_QKV, "ss" + "l" * 7, "attn_bias"),
+    aten._scaled_dot_product_cudnn_attention_backward: _attention(_QKV_BWD, "sss", "attn_bias"),
+    aten._scaled_dot_product_fused_attention_overrideable: _attention(
+        _QKV, "ss" + "l" * 7, "attn_bias"
+    ),
+    aten._scaled_dot_product_fused_attention_overrideable_backward: _attention(
+        _QKV_BWD, "sssl", "attn_bias"
+    ),
+    aten._flash_attention_forward: OpFacts(Cost.ATTENTION),
+    aten._flash_attention_backward: OpFacts(Cost.ATTENTION),
+    aten._efficient_attention_forward: OpFacts(Cost.ATTENTION),
+    aten._efficient_attention_backward: OpFacts(Cost.ATTENTION),
+    # collectives
+    c10d.all_reduce: OpFacts(Cost.MEMORY, rules.all_reduce),
+    c10d.all_gather_into_tensor: OpFacts(Cost.MEMORY, rules.all_gather),
+    c10d.reduce_scatter_tensor: OpFacts(Cost.MEMORY, rules.reduce_scatter),
+    c10d.all_to_all_single: OpFacts(Cost.MEMORY, rules.all_to_all),
+}
+
+
+class OpTable:
+    """Facts per op: an entry for the overload, else for its packet, else from tags."""
+
+    def __init__(self, entries: Mapping[object, OpFacts]) -> None:
+        self._entries = MappingProxyType(dict(entries))
+
+    def facts(self, target: object) -> OpFacts:
+        found = self._entries.get(target)
+        if found is None:
+            found = self._entries.get(getattr(target, "overloadpacket", None))
+        if found is not None:
+            return found
+        return _from_tags(target)
+
+    def rule(self, target: object) -> Rule | None:
+        return self.facts(target).placement
+
+    def with_entries(self, entries: Mapping[object, OpFacts]) -> OpTable:
+        """A copy with ``entries`` added or replaced (tests, experiments)."""
+        return OpTable({**self._entries, **entries})
+
+    def without_rule(self, *targets: object) -> OpTable:
+        return self.with_entries({t: replace(self.facts(t), placement=None) for t in targets})
+
+
+def _from_tags(target: object) -> OpFacts:
+    if not isinstance(target, torch._ops.OpOverload):
+        return OpFacts()
+    if torch.Tag.nondeterministic_seeded in target.tags:
+        return OpFacts(Cost.MEMORY, rules.random_op, random=True)
+    if torch.Tag.pointwise in target.tags:
+        return OpFacts(Cost.MEMORY, rules.pointwise, pointwise=True)
+    returns = target._schema.returns
+    if returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns):
+        return _FREE
+    return OpFacts()
+
+
+OP_TABLE = OpTable(_ENTRIES)
+
+
+def facts_of(node: torch.fx.Node) -> OpFacts:
+    """The facts of the op ``node`` calls (placeholders and outputs: free, no rule)."""
+    if node.op != "call_function":
+        return _FREE
+    return OP_TABLE.facts(node.target)

@@ -1,0 +1,97 @@
+"""Ranks that compile differently never hang (2 gloo processes, the kareus backend).
+
+The compile-time agreement goes through the store with a timeout: ranks asking for
+different nanobatch counts both run the graph unrewritten, a slowed rank is waited for,
+and every outcome is the same on both ranks.
+"""
+
+import pickle
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.multiprocessing as mp
+
+pytestmark = pytest.mark.slow
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.b(torch.relu(funcol.all_reduce(self.a(x), "sum", dist.group.WORLD)))
+
+
+def _worker(rank, port, out_dir, nanobatches, delay_s, timeout_s):
+    import kareus
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        model = Block()
+        reference = [p.detach().clone() for p in model.parameters()]
+        time.sleep(delay_s[rank])
+        compiled = torch.compile(
+            model,
+            backend="kareus",
+            options={
+                "nanobatches": nanobatches[rank],
+                "lowering": "eager",
+                "agreement_timeout_s": timeout_s,
+            },
+        )
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+        out = compiled(x)
+        out.sum().backward()
+        eager = Block()
+        with torch.no_grad():
+            for p, r in zip(eager.parameters(), reference):
+                p.copy_(r)
+        expected = eager(x)
+        expected.sum().backward()
+        grads = max(
+            (p.grad - q.grad).abs().max().item()
+            for p, q in zip(model.parameters(), eager.parameters())
+        )
+        reports = [(r.kind, r.nanobatches, r.fallback_reason) for r in kareus.graph_reports()]
+        result = ((out - expected).abs().max().item(), grads, reports)
+        Path(out_dir, str(rank)).write_bytes(pickle.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(nanobatches, delay_s=(0.0, 0.0), timeout_s=30.0):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out:
+        mp.start_processes(
+            _worker,
+            args=(port, out, nanobatches, delay_s, timeout_s),
+            nprocs=2,
+            start_method="spawn",
+        )
+        return [pickle.loads(Path(out, str(r)).read_bytes()) for r in range(2)]
+
+
+def test_ranks_asking_for_different_counts_both_run_unrewritten():
+    results = _run(nanobatches=(2, 1))
+    for out_diff, grad_diff, reports in results:
+        assert out_diff < 1e-5 and grad_diff < 1e-5
+        assert [(kind, k) for kind, k, _ in reports] == [("forward", 1), ("backward", 1)]
+        assert all("did not confirm one decision" in why for _, _, why in reports)
+    assert results[0][2] == results[1][2]  # the same verdict and reason on both ranks
+
+
+def test_a_slowed_rank_is_waited_for():
+    results = _run(nanobatches=(2, 2), delay_s=(0.0, 3.0))
+    for out_diff, grad_diff, reports in results:
+        assert out_diff < 1e-5 and grad_diff < 1e-5
+        assert reports == [("forward", 2, None), ("backward", 2, None)]
