@@ -238,7 +238,7 @@ def _apply_nanobatches(
             fallback, variant = str(exc), None
     if collectives:
         verdict = agree(
-            _agreement_key(graph_hash(gm.graph)), variant, (c.group_name for c in collectives),
+            _agreement_key(graph_hash(gm.graph, shapes=False)), variant, (c.group_name for c in collectives),
             timeout_s=timeout_s,
         )
         if not verdict:
@@ -258,10 +258,11 @@ _compiles_lock = threading.Lock()
 
 
 def _agreement_key(graph: str) -> str:
-    """The graph's hash and how often this process compiled it before: the n-th compile
-    of a graph on one rank pairs with the n-th on the others (a program compiled twice
-    with other options agrees afresh; a rank that compiled it once more than the others
-    times out there, and its peers then fall back too, at the same compile)."""
+    """The graph's hash (without shapes: data-dependent sizes differ between ranks) and how
+    often this process compiled it before: the n-th compile of a graph on one rank pairs
+    with the n-th on the others (a program compiled twice with other options agrees afresh;
+    a rank that compiled it once more than the others times out there, and its peers then
+    fall back too, at the same compile)."""
     with _compiles_lock:
         _compiles_of[graph] += 1
         return f"{graph}.{_compiles_of[graph]}"

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx
+from torch.utils._pytree import tree_leaves
 
 from kareus.passes.collectives import Collective, is_collective, is_wait
 from kareus.passes.ops import facts_of
@@ -222,29 +223,35 @@ def canonical_order(segment: Sequence[torch.fx.Node]) -> list[torch.fx.Node]:
     return order
 
 
-def _node_hashes(segment: Sequence[torch.fx.Node]) -> dict[torch.fx.Node, str]:
-    """Merkle hash of every node over its op, constants, output type and inputs' hashes."""
+def _node_hashes(
+    segment: Sequence[torch.fx.Node], sig: Callable[[torch.fx.Node], object] | None = None
+) -> dict[torch.fx.Node, str]:
+    """Merkle hash of every node over its op, constants, output type and inputs' hashes
+    (``sig``: how a value's type is described; default its shape and dtype)."""
+    sig = sig or _tensor_sig
     members = set(segment)
     digest: dict[torch.fx.Node, str] = {}
     for node in segment:  # graph order is topological
         token = (
-            _ref(node, members, digest.__getitem__)
+            _ref(node, members, digest.__getitem__, sig)
             if _key_transparent(node)
-            else _token(node, lambda a: _ref(a, members, digest.__getitem__))
+            else _token(node, lambda a: _ref(a, members, digest.__getitem__, sig), sig)
         )
         digest[node] = hashlib.sha1(repr(token).encode()).hexdigest()
     return digest
 
 
-def graph_hash(graph: torch.fx.Graph) -> str:
+def graph_hash(graph: torch.fx.Graph, *, shapes: bool = True) -> str:
     """Structural identity of a whole graph: ops, argument structure, shapes, dtypes, groups.
 
     Identical on every rank that traced the same program (node names, Python scalars and
     free ops are left out as in the partition keys) and across runs, so ranks can key what
-    they must agree on by it without talking to each other.
+    they must agree on by it without talking to each other. Without ``shapes`` the graphs
+    of one program point still match where data decides sizes that differ between ranks
+    (tokens routed to each expert of a mixture of experts).
     """
     nodes = list(graph.nodes)
-    digest = _node_hashes(nodes)
+    digest = _node_hashes(nodes, None if shapes else _dtype_sig)
     parts = sorted(digest[n] for n in nodes if not _key_transparent(n))
     return hashlib.sha1(repr(parts).encode()).hexdigest()[:16]
 
@@ -267,7 +274,10 @@ def _key_transparent(node: torch.fx.Node) -> bool:
 
 
 def _ref(
-    arg: torch.fx.Node, members: set[torch.fx.Node], ident: Callable[[torch.fx.Node], object]
+    arg: torch.fx.Node,
+    members: set[torch.fx.Node],
+    ident: Callable[[torch.fx.Node], object],
+    sig: Callable[[torch.fx.Node], object] | None = None,
 ) -> tuple[object, ...]:
     """How a partition refers to a value: its source and the value's shape and dtype.
 
@@ -281,10 +291,14 @@ def _ref(
     while node in members and _key_transparent(node) and node.all_input_nodes:
         node = node.all_input_nodes[0]
     source = ident(node) if node in members and not _key_transparent(node) else "in"
-    return (source, _tensor_sig(arg))
+    return (source, (sig or _tensor_sig)(arg))
 
 
-def _token(node: torch.fx.Node, ref: Callable[[torch.fx.Node], object]) -> tuple[object, ...]:
+def _token(
+    node: torch.fx.Node,
+    ref: Callable[[torch.fx.Node], object],
+    sig: Callable[[torch.fx.Node], object] | None = None,
+) -> tuple[object, ...]:
     def describe(arg: object) -> object:
         if isinstance(arg, torch.fx.Node):
             return ref(arg)
@@ -298,7 +312,7 @@ def _token(node: torch.fx.Node, ref: Callable[[torch.fx.Node], object]) -> tuple
             return type(arg).__name__
         return repr(arg)
 
-    return (str(node.target), describe(node.args), describe(node.kwargs), _tensor_sig(node))
+    return (str(node.target), describe(node.args), describe(node.kwargs), (sig or _tensor_sig)(node))
 
 
 def structural_key(ordered: Sequence[torch.fx.Node], coll: Collective) -> str:
@@ -325,6 +339,11 @@ def structural_key(ordered: Sequence[torch.fx.Node], coll: Collective) -> str:
 
 def _tensor_sig(node: torch.fx.Node) -> tuple[object, ...]:
     return _sig(node.meta.get("val"))
+
+
+def _dtype_sig(node: torch.fx.Node) -> tuple[object, ...]:
+    vals = tree_leaves(node.meta.get("val"))
+    return tuple(str(v.dtype) if isinstance(v, torch.Tensor) else type(v).__name__ for v in vals)
 
 
 def size_key(size: int | torch.SymInt) -> int | str:
