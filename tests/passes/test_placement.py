@@ -211,3 +211,27 @@ def test_gpu_attention_kernels_split_forward_and_backward(forward, backward):
     (bwd,) = [n for n in p if n.startswith("_scaled_dot") and "backward" in n]
     assert p[fwd][:2] == (Split(0), Split(0)) and p[bwd][:3] == (Split(0),) * 3
     assert result.barriers == ()
+
+
+def test_index_unbind_stack_and_ops_along_another_dim():
+    """x[:, idx] with replicated ids; unbind / stack / cumsum / topk off the split dim."""
+    x, idx = torch.randn(4, 6, 8), torch.tensor([0, 2, 5])
+
+    def f(x, i):
+        a, b = x.unbind(2)[:2]
+        top = x.topk(2, dim=-1).values
+        return x[:, i], torch.stack([a, b], dim=0), x.cumsum(1), top, x.sort(dim=1).values
+
+    _, p, result = _placements(f, x, idx)
+    assert p["index"] == Split(0) and p["stack"] == Split(1) and p["cumsum"] == Split(0)
+    assert p["topk"] == (Split(0), Split(0)) and p["sort"] == (Split(0), Split(0))
+    assert result.barriers == ()
+    _, _, result = _placements(lambda x: x.cumsum(0), x)
+    assert [b.node for b in result.barriers] == ["cumsum"]
+
+
+def test_select_backward_writes_split_rows():
+    _, p, result = _placements(
+        lambda s: torch.ops.aten.select_scatter(torch.zeros(4, 5), s, 1, 2), torch.randn(4)
+    )
+    assert p["select_scatter"] == Split(0) and result.barriers == ()
