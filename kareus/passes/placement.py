@@ -35,7 +35,6 @@ import torch.fx
 from kareus.passes.schema import arguments
 
 aten = torch.ops.aten
-c10d = torch.ops._c10d_functional
 
 
 @dataclass(frozen=True)
