@@ -171,11 +171,12 @@ def run_passes(
     }
     space = variant_space(partitioning, placements[2], infeasible)
     k = opts.nanobatches
-    interface = record_forward(gm.graph, placements[max(k, 2)]) if kind == "forward" else None
+    chosen = placements[max(k, 2)]  # k = 1 reports what k = 2 would split
+    interface = record_forward(gm.graph, chosen) if kind == "forward" else None
     fallback = infeasible.get(k) if k > 1 else None
     gm, variant, fallback = _apply_nanobatches(
         gm, example_inputs, label, k, fallback, partitioning, collectives,
-        placements[max(k, 2)], space, opts.agreement_timeout_s,
+        chosen, space, opts.agreement_timeout_s,
     )
     insert_clock_switch(gm.graph, label)
     gm.graph.lint()
@@ -185,10 +186,8 @@ def run_passes(
         label, kind, num_nodes, opts.lowering, collectives, partitioning,
         device=device.name, estimate=estimate, notes=(not_costed,) if not_costed else (),
         nanobatches=k if variant else 1, fallback_reason=fallback,
-        variants=space, variant=variant, barriers=placements[max(k, 2)].barriers,
-        split_collectives=sum(
-            per_nanobatch(placements[max(k, 2)].placements[c.node]) for c in collectives
-        ),
+        variants=space, variant=variant, barriers=chosen.barriers,
+        split_collectives=sum(per_nanobatch(chosen.placements[c.node]) for c in collectives),
     )
     return PassResult(gm, report, interface)
 
@@ -238,8 +237,8 @@ def _apply_nanobatches(
             fallback, variant = str(exc), None
     if collectives:
         verdict = agree(
-            _agreement_key(graph_hash(gm.graph, shapes=False)), variant, (c.group_name for c in collectives),
-            timeout_s=timeout_s,
+            _agreement_key(graph_hash(gm.graph, shapes=False)), variant,
+            (c.group_name for c in collectives), timeout_s=timeout_s,
         )
         if not verdict:
             fallback = f"the ranks did not confirm one decision ({verdict.reason}); runs unrewritten"

@@ -26,7 +26,7 @@ from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from kareus.passes.collectives import Collective
-from kareus.passes.ops import facts_of
+from kareus.passes.ops import facts_of, resize_args
 from kareus.passes.partition import GraphPartitioning, canonical_order
 from kareus.passes.placement import (
     Local,
@@ -278,9 +278,7 @@ class _Emitter:
 
     def _copy(self, node: torch.fx.Node, j: int, group_name: str | None = None) -> torch.fx.Node:
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: self._operand(node, a, j))
-        resize = facts_of(node).resize
-        if resize is not None:
-            args = resize(node, args, self.placements[node], self.k)
+        args = resize_args(node, args, self.placements[node], self.k)
         if group_name is not None:
             args = with_group(node, args, group_name)
         new = self.graph.create_node(node.op, node.target, args, kwargs)

@@ -80,8 +80,7 @@ def _resize_shape(node: torch.fx.Node, args: tuple, p: NodePlacement, k: int) ->
         return args
     shape = _shape(node)
     shape[p.dim] //= k
-    index = 1
-    return (*args[:index], shape, *args[index + 1 :])
+    return (args[0], shape, *args[2:])  # the shape is the second argument of all four
 
 
 def _resize_split(node: torch.fx.Node, args: tuple, p: NodePlacement, k: int) -> tuple:
@@ -277,6 +276,13 @@ def _from_tags(target: object) -> OpFacts:
 
 
 OP_TABLE = OpTable(_ENTRIES)
+
+
+def resize_args(node: torch.fx.Node, args: tuple, p: NodePlacement, k: int) -> tuple:
+    """``node``'s arguments (already mapped to one nanobatch's values) with the shapes they
+    spell out resized to one nanobatch, where its op has such arguments."""
+    resize = facts_of(node).resize
+    return args if resize is None else resize(node, args, p, k)
 
 
 def facts_of(node: torch.fx.Node) -> OpFacts:

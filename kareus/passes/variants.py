@@ -19,7 +19,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from kareus.codegen.comm_groups import capped_group, resource_choices
 from kareus.passes.nanobatch import Schedule, with_group
-from kareus.passes.ops import facts_of
+from kareus.passes.ops import resize_args
 from kareus.passes.partition import GraphPartitioning, Partition
 from kareus.passes.placement import NodePlacement, PlacementResult, Split, Whole, per_nanobatch
 from kareus.profiler.devices.base import Workload
@@ -159,9 +159,8 @@ def partition_workload(
         for node in partition.nodes:
             if node.name in s.nodes:
                 args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
-                resize = facts_of(node).resize
-                if resize is not None and per_nanobatch(place[node]):
-                    args = resize(node, args, place[node], k)
+                if per_nanobatch(place[node]):
+                    args = resize_args(node, args, place[node], k)
                 env[node] = graph.create_node(node.op, node.target, args, kwargs)
     if waited is None:
         waited = issue()

@@ -47,13 +47,12 @@ from enum import Enum
 
 import torch
 import torch.fx
-from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from kareus.codegen.clock import DEFAULT_CLOCK_MHZ, ClockSwitch, RecordingClockController
 from kareus.codegen.runtime_ops import set_clock
-from kareus.passes.collectives import WAIT_OP, find_collectives
+from kareus.passes.collectives import WAIT_OP, find_collectives, size_hint
 from kareus.passes.collectives import Collective as CollectiveRecord
 from kareus.passes.ops import facts_of
 from kareus.passes.schema import arguments
@@ -106,10 +105,6 @@ class GraphCost:
 # Graph -> GraphCost
 
 
-def _int(x: int | torch.SymInt) -> int:
-    return optimization_hint(x) if isinstance(x, torch.SymInt) else int(x)
-
-
 def _tensors(value: object) -> list[torch.Tensor]:
     return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
 
@@ -118,8 +113,8 @@ def _nbytes(t: torch.Tensor) -> int:
     """Bytes a kernel touches for ``t``: broadcast (stride-0) dims are read once."""
     n = t.element_size()
     for size, stride in zip(t.shape, t.stride(), strict=True):
-        if _int(stride) != 0:
-            n *= _int(size)
+        if size_hint(stride) != 0:
+            n *= size_hint(size)
     return n
 
 
@@ -157,7 +152,7 @@ def _kernel(node: torch.fx.Node) -> Kernel:
         args, kwargs = torch.fx.node.map_arg(
             (node.args, node.kwargs), lambda n: n.meta.get("val", n)
         )
-        flops = float(_int(formula(*args, **kwargs, out_val=_val(node))))
+        flops = float(size_hint(formula(*args, **kwargs, out_val=_val(node))))
         # Causal attention skips the masked half (the registry counts all of it).
         flops *= 0.5 if arguments(node).get("is_causal") else 1.0
         inputs = _tensors(args)
