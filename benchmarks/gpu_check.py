@@ -22,7 +22,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from kareus.codegen.clock import DEFAULT_CLOCK_MHZ
+from kareus.runtime.clock import DEFAULT_CLOCK_MHZ
 from kareus.profiler.devices import Measurement, SimulatedGPU, Workload
 
 

@@ -3,7 +3,7 @@
 ``torch.compile(model, backend="kareus", options={...})``; see README.md.
 """
 
-from kareus.codegen.clock import (
+from kareus.runtime.clock import (
     ClockController,
     NullClockController,
     RecordingClockController,

@@ -22,10 +22,10 @@ import torch.fx
 from torch._inductor.compile_fx import compile_fx
 
 from kareus import reports
-from kareus.codegen.clock import NullClockController, active_controller, set_active_controller
-from kareus.codegen.comm_groups import exclusive_kinds
+from kareus.runtime.clock import NullClockController, active_controller, set_active_controller
+from kareus.runtime.communicators import exclusive_kinds
 from kareus.codegen.lowering import lower, pinned_schedule_config
-from kareus.consensus import agree
+from kareus.runtime.agreement import agree
 from kareus.options import KareusOptionError, KareusOptions
 from kareus.passes.collectives import Collective, find_collectives
 from kareus.passes.frequency import insert_clock_switch

@@ -109,7 +109,7 @@ def batches(cfg: DemoConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def train(rank: int, cfg: DemoConfig) -> RankResult:
     import kareus
     import kareus.backend
-    from kareus.codegen.clock import RecordingClockController, use_controller
+    from kareus.runtime.clock import RecordingClockController, use_controller
 
     if cfg.slot_seed is not None:
         kareus.backend.set_variant_chooser(

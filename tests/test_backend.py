@@ -14,8 +14,8 @@ from torch.testing import FileCheck
 
 import kareus
 import kareus.backend
-from kareus.codegen.clock import RecordingClockController, use_controller
-from kareus.codegen.runtime_ops import set_clock
+from kareus.runtime.clock import RecordingClockController, use_controller
+from kareus.runtime.ops import set_clock
 
 
 def test_backend_name_resolves_in_a_fresh_process_without_importing_kareus():

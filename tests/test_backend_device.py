@@ -7,7 +7,7 @@ from fake_pynvml import FakeNvml
 
 import kareus
 import kareus.backend
-from kareus.codegen.clock import NullClockController, active_controller, set_active_controller
+from kareus.runtime.clock import NullClockController, active_controller, set_active_controller
 from kareus.profiler.devices.errors import NvmlUnavailableError
 from kareus.profiler.devices.nvml import NvmlGPU
 

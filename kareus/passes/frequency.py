@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch.fx
 
-from kareus.codegen.clock import DEFAULT_CLOCK_MHZ
-from kareus.codegen.runtime_ops import set_clock
+from kareus.runtime.clock import DEFAULT_CLOCK_MHZ
+from kareus.runtime.ops import set_clock
 
 
 def insert_clock_switch(

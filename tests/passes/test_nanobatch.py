@@ -207,7 +207,7 @@ def test_variant_space_is_enumerable(fake_pg):
     with pytest.raises(ValueError, match="slot 99"):
         space.schedule(Variant(2, (99,) * len(space.partitions), drawn.resources))
     with pytest.raises(ValueError, match="communication resource caps need NCCL"):
-        from kareus.codegen.comm_groups import capped_group
+        from kareus.runtime.communicators import capped_group
 
         capped_group(dist.group.WORLD.group_name, 8)
 

@@ -11,7 +11,7 @@ from kareus.passes.collectives import find_collectives
 from kareus.passes.ops import OP_TABLE
 from kareus.passes.partition import partition_graph
 from kareus.passes.placement import PARTIAL, REPLICATE, Split, Whole, _reshaped, propagate
-from kareus.passes.variants import partition_workload
+from kareus.profiler.workloads import partition_workload
 from kareus.profiler.devices import SimulatedGPU
 
 aten = torch.ops.aten

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from fake_pynvml import FakeClock, FakeGpu, FakeNvml
 
-from kareus.codegen.clock import DEFAULT_CLOCK_MHZ, ClockController, use_controller
+from kareus.runtime.clock import DEFAULT_CLOCK_MHZ, ClockController, use_controller
 from kareus.profiler.devices.base import Workload
 from kareus.profiler.devices.errors import (
     ClockPermissionError,
@@ -32,7 +32,7 @@ from kareus.profiler.devices.nvml import (
     local_cuda_index,
     nvml_index_for_cuda_device,
 )
-from kareus.profiler.devices.nvml_clock import NvmlClockController, no_event
+from kareus.runtime.nvml_clock import NvmlClockController, no_event
 
 REPO = Path(__file__).resolve().parents[2]
 TESTS = Path(__file__).resolve().parents[1]
@@ -212,7 +212,7 @@ CHILD = """
 import signal, sys
 sys.path[:0] = [{tests!r}, {repo!r}]
 from fake_pynvml import FakeNvml
-from kareus.profiler.devices.nvml_clock import NvmlClockController, no_event
+from kareus.runtime.nvml_clock import NvmlClockController, no_event
 {before}
 fake = FakeNvml(state_file={state!r})
 fake.nvmlInit()

@@ -13,7 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from kareus.codegen.clock import ClockSwitch
+from kareus.runtime.clock import ClockSwitch
 from kareus.profiler.devices import Measurement, SimulatedGPU, Workload, preset_names
 from kareus.profiler.devices.calibration import POINTS, DataPoint
 from kareus.profiler.devices.simulated import Step, graph_cost
@@ -218,7 +218,7 @@ def test_unsupported_collective_is_named(group):
 
 @pytest.fixture
 def set_clock() -> torch._ops.OpOverload:
-    from kareus.codegen.runtime_ops import set_clock
+    from kareus.runtime.ops import set_clock
 
     return set_clock
 

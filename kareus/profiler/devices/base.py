@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch.fx
 
-from kareus.codegen.clock import ClockController
+from kareus.runtime.clock import ClockController
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from kareus.codegen.clock import DEFAULT_CLOCK_MHZ
+from kareus.runtime.clock import DEFAULT_CLOCK_MHZ
 from kareus.profiler.devices.base import Device, Measurement, Workload
 from kareus.profiler.devices.errors import (
     DeviceError,
@@ -35,7 +35,7 @@ from kareus.profiler.devices.errors import (
     UnsupportedMeasurementError,
     nvml_error_code,
 )
-from kareus.profiler.devices.nvml_clock import (
+from kareus.runtime.nvml_clock import (
     EventFactory,
     NvmlClockController,
     no_event,

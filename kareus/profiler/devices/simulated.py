@@ -50,8 +50,8 @@ import torch.fx
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
-from kareus.codegen.clock import DEFAULT_CLOCK_MHZ, ClockSwitch, RecordingClockController
-from kareus.codegen.runtime_ops import set_clock
+from kareus.runtime.clock import DEFAULT_CLOCK_MHZ, ClockSwitch, RecordingClockController
+from kareus.runtime.ops import set_clock
 from kareus.passes.collectives import WAIT_OP, find_collectives, size_hint
 from kareus.passes.collectives import Collective as CollectiveRecord
 from kareus.passes.ops import facts_of

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from types import FrameType, ModuleType
 from typing import Any, Protocol
 
-from kareus.codegen.clock import DEFAULT_CLOCK_MHZ, ClockSwitch
+from kareus.runtime.clock import DEFAULT_CLOCK_MHZ, ClockSwitch
 from kareus.profiler.devices.errors import (
     ClockControlError,
     ClockControlUnsupportedError,

@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.distributed_c10d import _get_default_store
 
-from kareus.consensus import Verdict, agree
+from kareus.runtime.agreement import Verdict, agree
 
 SESSION_LIMIT_S = 60.0
 

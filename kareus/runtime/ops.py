@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from kareus.codegen.clock import active_controller
+from kareus.runtime.clock import active_controller
 
 _LIB = torch.library.Library("kareus", "DEF")
 _LIB.define("set_clock(str graph, int mhz) -> ()")

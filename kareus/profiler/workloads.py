@@ -1,0 +1,90 @@
+"""What the profiler measures: one partition of a graph alone, in one variant.
+
+A partition's workload is the compute of its segment for one nanobatch with the other
+nanobatch's collective issued at a launch slot, on random inputs of one nanobatch's shapes,
+so that partitions sharing a key are measured once (REFERENCE.md section 1).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from kareus.passes.nanobatch import with_group
+from kareus.passes.ops import resize_args
+from kareus.passes.partition import Partition
+from kareus.passes.placement import NodePlacement, PlacementResult, Split, Whole, per_nanobatch
+from kareus.profiler.devices.base import Workload
+
+
+def partition_workload(
+    partition: Partition,
+    placements: PlacementResult,
+    k: int,
+    slot: int,
+    group_name: str | None = None,
+    world_size: int = 1,
+) -> Workload:
+    """One partition alone, for isolated profiling: a nanobatch's compute of the segment
+    with the other nanobatch's collective issued at ``slot`` and waited at the end, on
+    random inputs of one nanobatch's shapes (run it where the collective's group exists).
+    """
+    place = placements.placements
+    if not per_nanobatch(place[partition.collective.node]):
+        raise ValueError(f"partition {partition.index}: its collective is not split into nanobatches")
+    barriers = [n.name for n in partition.nodes if isinstance(place[n], Whole)]
+    if barriers:
+        raise ValueError(f"partition {partition.index}: {', '.join(barriers)} cannot run per nanobatch")
+    members = set(partition.nodes)
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    inputs: list[torch.Tensor] = []
+
+    def add_input(node: torch.fx.Node, name: str) -> torch.fx.Node:
+        inputs.append(_random_like(node.meta["val"], place[node], k))
+        return graph.placeholder(name)
+
+    external = [i for n in partition.nodes for i in n.all_input_nodes if i not in members]
+    for node in dict.fromkeys(external):
+        env[node] = add_input(node, node.name)
+    coll = partition.collective
+    other = add_input(coll.node.all_input_nodes[0], "other_nanobatch_input")
+
+    def issue() -> torch.fx.Node:
+        args = torch.fx.node.map_arg(coll.node.args, lambda a: other)
+        if group_name is not None:
+            args = with_group(coll.node, args, group_name)
+        return graph.call_function(coll.waits[0].target, (graph.call_function(coll.node.target, args),))
+
+    waited = None
+    for index, s in enumerate(partition.slots):
+        if index == slot:
+            waited = issue()
+        for node in partition.nodes:
+            if node.name in s.nodes:
+                args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
+                if per_nanobatch(place[node]):
+                    args = resize_args(node, args, place[node], k)
+                env[node] = graph.create_node(node.op, node.target, args, kwargs)
+    if waited is None:
+        waited = issue()
+    sinks = [env[n] for n in partition.nodes if not any(u in members for u in n.users)]
+    graph.output((waited, *sinks))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    FakeTensorProp(gm).propagate(*inputs)
+    return Workload(
+        f"partition {partition.index} ({partition.key}) k={k} slot={slot}",
+        gm=gm,
+        run=lambda: gm(*inputs),
+        world_size=world_size,
+    )
+
+
+def _random_like(val: torch.Tensor, p: NodePlacement, k: int) -> torch.Tensor:
+    shape = list(val.shape)
+    if isinstance(p, Split):
+        shape[p.dim] //= k
+    if val.dtype.is_floating_point:
+        return torch.randn(shape, dtype=val.dtype, device=val.device)
+    return torch.zeros(shape, dtype=val.dtype, device=val.device)
