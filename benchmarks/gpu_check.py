@@ -22,8 +22,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from kareus.runtime.clock import DEFAULT_CLOCK_MHZ
 from kareus.profiler.devices import Measurement, SimulatedGPU, Workload
+from kareus.runtime.clock import DEFAULT_CLOCK_MHZ
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,9 @@ SMALL = 1 << 12
 
 CASES = (
     Case("gemm_bf16_8192", torch.mm, ((N, N), (N, N)), torch.bfloat16, 2.0 * N**3, 3 * N * N * 2),
-    Case("copy_bf16_1gib", lambda x: x * 2, ((COPY_ELEMS,),), torch.bfloat16, 0.0, 2 * COPY_ELEMS * 2),
+    Case(
+        "copy_bf16_1gib", lambda x: x * 2, ((COPY_ELEMS,),), torch.bfloat16, 0.0, 2 * COPY_ELEMS * 2
+    ),
     Case("relu_fp32_4k", torch.relu, ((SMALL,),), torch.float32, 0.0, 2 * SMALL * 4),
 )
 
@@ -89,7 +91,9 @@ def _idle_power_w(gpu) -> float:
     return sum(samples) / len(samples)
 
 
-def compare(measured: dict[str, Measurement], predicted: dict[str, Measurement]) -> list[dict[str, object]]:
+def compare(
+    measured: dict[str, Measurement], predicted: dict[str, Measurement]
+) -> list[dict[str, object]]:
     rows = []
     for case in CASES:
         m, p = measured[case.name], predicted[case.name]

@@ -6,7 +6,8 @@ backend at 1, 2 and 4 nanobatches (earliest launch slots), and reports the simul
 time and energy of the forward and backward graphs at the default clock. No GPU and no
 real tensor is needed; the numbers are the model's (see profiler/devices/simulated.py).
 
-    python benchmarks/overlap_sim.py --device sim:a100-sxm4-40gb --out benchmarks/results/overlap_sim.json
+    python benchmarks/overlap_sim.py --device sim:a100-sxm4-40gb \\
+        --out benchmarks/results/overlap_sim.json
 """
 
 from __future__ import annotations
@@ -29,26 +30,31 @@ from kareus.models.llama import Llama, LlamaConfig, parallelize_llama
 LLAMA_3B_LAYER = LlamaConfig(dim=3072, n_layers=1, n_heads=24, ffn_dim=8192, max_seq_len=4096)
 
 
-def compile_layer(device: str, nanobatches: int, tp: int, batch: int, seq: int) -> list[kareus.GraphReport]:
+def step_layer(backend: object, tp: int, batch: int, seq: int) -> None:
+    """One forward and backward of the layer, TP ``tp``, on fake bf16 tensors, compiled
+    with ``backend`` (run under a fake process group of ``tp`` ranks)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     torch._dynamo.reset()
-    kareus.clear_graph_reports()
     mesh = init_device_mesh("cpu", (tp,))  # outside fake mode: it reads its rank map
     default_dtype = torch.get_default_dtype()
     try:
         with FakeTensorMode():
             torch.set_default_dtype(torch.bfloat16)  # fake parameters cannot be cast later
             model = parallelize_llama(Llama(LLAMA_3B_LAYER), mesh)
-            compiled = torch.compile(
-                model,
-                backend="kareus",
-                options={"device": device, "nanobatches": nanobatches, "lowering": "eager"},
-            )
+            compiled = torch.compile(model, backend=backend)
             compiled(torch.zeros(batch, seq, dtype=torch.long)).float().sum().backward()
     finally:
         torch.set_default_dtype(default_dtype)
-    return kareus.graph_reports()
+
+
+def compile_layer(
+    device: str, nanobatches: int, tp: int, batch: int, seq: int
+) -> list[kareus.GraphReport]:
+    options = {"device": device, "nanobatches": nanobatches, "lowering": "eager"}
+    backend = kareus.KareusBackend(options)
+    step_layer(backend, tp, batch, seq)
+    return backend.reports()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,12 +79,14 @@ def main(argv: list[str] | None = None) -> int:
                     "energy_j": e.energy_j,
                     "effective_energy_j": e.effective_energy_j,
                     "exposed_comm_ms": e.details.get("exposed_comm_s", 0.0) * 1e3,
-                    "fallback_reason": report.fallback_reason,
+                    "fallback": None if report.fallback is None else str(report.fallback),
                 }
             )
     table = Table(title=f"Llama-3.2-3B-sized layer, TP{args.tp}, {args.batch}x{args.seq} tokens, "
                   f"{args.device} at its default clock (modelled)", title_justify="left")
-    for column in ("graph", "k", "time (ms)", "energy (J)", "E - P_static t (J)", "exposed comm (ms)"):
+    for column in (
+        "graph", "k", "time (ms)", "energy (J)", "E - P_static t (J)", "exposed comm (ms)"
+    ):
         table.add_column(column, justify="right")
     for r in rows:
         table.add_row(

@@ -150,7 +150,7 @@ def _kind_summary(reports: list, kind: str) -> dict[str, str]:
         split += f" ({len(graphs)} graphs)"
     barriers = [c.first_barrier for c in coverages if c is not None and c.first_barrier is not None]
     barrier = "-" if None in coverages else (
-        _short(f"{barriers[0].node}: {barriers[0].reason}", 70) if barriers else "none"
+        _short(str(barriers[0]), 70) if barriers else "none"
     )
     return {"split": split, "barrier": barrier}
 
@@ -159,8 +159,8 @@ def _fallbacks(reports: list, limit: int = 4) -> list[str]:
     """Distinct reasons (kind: reason, shortened), most frequent first; the JSON has them whole."""
     seen: dict[str, int] = {}
     for r in reports:
-        if r.fallback_reason:
-            key = f"{r.kind}: {_short(r.fallback_reason)}"
+        if r.fallback:
+            key = f"{r.kind}: {_short(str(r.fallback))}"
             seen[key] = seen.get(key, 0) + 1
     ranked = sorted(seen.items(), key=lambda item: -item[1])
     lines = [f"{k} (x{n})" if n > 1 else k for k, n in ranked[:limit]]
@@ -211,17 +211,21 @@ def _graph_record(g) -> dict:
         "label": g.label,
         "kind": g.kind,
         "nanobatches": g.nanobatches,
-        "fallback_reason": g.fallback_reason,
+        "fallback": _reason_record(g.fallback),
         "collectives": [c.kind for c in g.collectives],
         "coverage": None if coverage is None else {
             "split": coverage.split,
             "total": coverage.total,
-            "first_barrier": None if coverage.first_barrier is None else {
-                "node": coverage.first_barrier.node, "reason": coverage.first_barrier.reason,
-            },
+            "first_barrier": _reason_record(coverage.first_barrier),
         },
-        "barriers": [{"node": b.node, "reason": b.reason} for b in g.barriers[:5]],
+        "barriers": [_reason_record(b) for b in g.barriers[:5]],
         "barrier_count": len(g.barriers),
+    }
+
+
+def _reason_record(reason) -> dict | None:
+    return None if reason is None else {
+        "kind": reason.kind.value, "node": reason.node, "detail": reason.detail
     }
 
 

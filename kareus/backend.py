@@ -1,19 +1,18 @@
-"""``torch.compile(model, backend="kareus", options={...})``.
+"""``torch.compile(model, backend="kareus", options={...})``, or ``backend=KareusBackend(...)``.
 
 The backend is glue: Inductor's AOT path (decompositions, AOT autograd, min-cut
 partitioner) hands us the forward and backward graphs one at a time (the backward lazily,
-at the first backward call); each goes through the pass pipeline and is lowered.
+at the first backward call); each goes through analyse -> decide -> apply, the ranks
+agree on the decision, and the result is lowered.
 """
 
 from __future__ import annotations
 
-import collections
-import functools
+import heapq
 import itertools
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,53 +20,243 @@ import torch.distributed as dist
 import torch.fx
 from torch._inductor.compile_fx import compile_fx
 
-from kareus import reports
-from kareus.runtime.clock import NullClockController, active_controller, set_active_controller
-from kareus.runtime.communicators import exclusive_kinds
 from kareus.codegen.lowering import lower, pinned_schedule_config
-from kareus.runtime.agreement import agree
 from kareus.options import KareusOptionError, KareusOptions
-from kareus.passes.collectives import Collective, find_collectives
-from kareus.passes.frequency import insert_clock_switch
-from kareus.passes.interface import (
-    ForwardInterface,
-    backward_inputs,
-    forward_inputs,
-    record_forward,
-)
-from kareus.passes.nanobatch import CannotRewrite, Schedule, feasibility, nanobatch_graph
-from kareus.passes.ops import OP_TABLE
-from kareus.passes.partition import GraphPartitioning, graph_hash, partition_graph
-from kareus.passes.placement import PlacementResult, per_nanobatch, propagate
-from kareus.passes.variants import NANOBATCH_COUNTS, Variant, VariantSpace, variant_space
-from kareus.profiler.devices import Device, Measurement, SimulatedGPU, Workload
-from kareus.profiler.devices.nvml import NvmlGPU
-from kareus.profiler.devices.resolve import resolve_device
+from kareus.passes.analyse import ForwardInterfaces, GraphAnalysis, analyse
+from kareus.passes.apply import apply
+from kareus.passes.decide import Decision, Policy, VariantChooser, decide, earliest_slots
+from kareus.passes.nanobatch import CannotRewrite
+from kareus.passes.reasons import Reason, ReasonKind
+from kareus.profiler.devices.base import Device, Measurement
+from kareus.reports import GraphReport, print_report
+from kareus.runtime import process_runtime
+from kareus.runtime.agreement import agree
 
 log = logging.getLogger("kareus")
 
-_regions = itertools.count()
 
-VariantChooser = Callable[[str, VariantSpace, int], Variant]
+class KareusBackend:
+    """A torch.compile backend with its own options, device, policy and reports.
 
-
-def _earliest_slots(label: str, space: VariantSpace, k: int) -> Variant:
-    return space.default(k)
-
-
-_choose_variant: VariantChooser = _earliest_slots
-
-
-def set_variant_chooser(chooser: VariantChooser | None) -> VariantChooser:
-    """Choose the variant of each graph rewritten with k > 1 nanobatches (None: the default,
-    every collective at its earliest slot on default resources); returns the previous one.
-
-    The chooser gets the graph's label, its variant space and k, and must return the same
-    variant on every rank, or the ranks' collectives would not match.
+    ``chooser`` picks each rewritten graph's variant (default: every collective at its
+    earliest slot); it must choose alike on every rank. ``device`` overrides the
+    ``device`` option with an opened Device. What is truly per process (the GPU's clock
+    controller, capped communicators, agreement counters) belongs to ``process_runtime()``.
     """
-    global _choose_variant
-    previous, _choose_variant = _choose_variant, chooser or _earliest_slots
-    return previous
+
+    def __init__(
+        self,
+        options: KareusOptions | Mapping[str, Any] | None = None,
+        *,
+        chooser: VariantChooser = earliest_slots,
+        clock_mhz: int | None = None,
+        device: Device | None = None,
+    ) -> None:
+        self.options = KareusOptions.from_dict(options)
+        kwargs = {} if clock_mhz is None else {"clock_mhz": clock_mhz}
+        self.policy = Policy(self.options.nanobatches, chooser, **kwargs)
+        self.runtime = process_runtime()
+        self._device = device
+        self._driving = False
+        self._lock = threading.Lock()
+        self._reports: list[tuple[int, GraphReport]] = []
+        self._forwards: dict[int, ForwardInterfaces] = {}  # region -> its forward's interfaces
+        _REGISTRY.add(self)
+
+    @property
+    def device(self) -> Device:
+        if self._device is None:
+            self._device = self.runtime.device(self.options.device)
+        if not self._driving:
+            self.runtime.drive(self._device)
+            self._driving = True
+        return self._device
+
+    def __call__(
+        self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
+    ) -> Callable[..., Any]:
+        """One call per region torch._dynamo captured (between graph breaks)."""
+        _ = self.device  # opened (a bad one fails) before any graph is touched
+        region = _REGISTRY.next_region()
+
+        def inner_compile(graph_module: torch.fx.GraphModule, inputs: Sequence[Any], **kwargs: Any):
+            compiled = self.compile_graph(graph_module, inputs, region, **kwargs)
+            return lower(compiled, inputs, self.options.lowering, **kwargs)
+
+        # A warm AOT-autograd cache would return compiled graphs without calling
+        # inner_compile, skipping kareus's passes and reports; Inductor's own FX-graph
+        # cache still applies (its key is the graph after our passes).
+        with torch._functorch.config.patch(enable_autograd_cache=False):
+            return compile_fx(
+                gm, example_inputs, inner_compile=inner_compile,
+                config_patches=pinned_schedule_config(),
+            )
+
+    def compile_graph(
+        self, gm: torch.fx.GraphModule, inputs: Sequence[Any], region: int, **kwargs: Any
+    ) -> torch.fx.GraphModule:
+        """One AOT graph through analyse -> decide -> (agree) -> apply, with its report."""
+        if kwargs.get("is_backward"):
+            kind = "backward"
+        elif kwargs.get("is_inference"):
+            kind = "inference"
+        else:
+            kind = "forward"
+        analysis = analyse(
+            gm, inputs, kind, self._forwards.get(region),
+            static_input_idxs=kwargs.get("static_input_idxs") or (), label=f"r{region}/{kind}",
+        )
+        if kind == "forward":
+            self._forwards[region] = analysis.interfaces
+        decision = decide(analysis, self.policy)
+        compiled, decision = self._agreed(gm, analysis, decision)
+        estimate, note = self._estimate(compiled, analysis.label)
+        report = GraphReport.build(
+            analysis, decision, lowering=self.options.lowering, device=self.device.name,
+            estimate=estimate, notes=(note,) if note else (),
+        )
+        self._record(report)
+        return compiled
+
+    def _agreed(
+        self, gm: torch.fx.GraphModule, analysis: GraphAnalysis, decision: Decision
+    ) -> tuple[torch.fx.GraphModule, Decision]:
+        """The graph that runs and the decision every rank of its collectives took.
+
+        The ranks compare decisions through the store, never a collective
+        (``runtime.agreement``), also where this rank asked for no rewrite. Capped
+        sub-communicators are created (a collective call) only after that, so no rank
+        creates one alone.
+        """
+        compiled = None
+        if decision.variant is not None:
+            try:
+                compiled = apply(gm, analysis, decision)
+            except CannotRewrite as exc:
+                decision = decision.fallback(Reason(ReasonKind.CANNOT_REWRITE, None, str(exc)))
+        if analysis.collectives:
+            verdict = agree(
+                self.runtime.compiles.key(analysis.shape_free_key), decision.variant,
+                (c.group_name for c in analysis.collectives),
+                timeout_s=self.options.agreement_timeout_s,
+            )
+            if not verdict:
+                decision = decision.fallback(
+                    Reason(
+                        ReasonKind.RANKS_DISAGREED, None,
+                        f"the ranks did not confirm one decision ({verdict.reason}); "
+                        "runs unrewritten",
+                    )
+                )
+        variant = decision.variant
+        if variant is None:
+            return apply(gm, analysis, decision), decision
+        if any(cap is not None for cap in variant.resources):
+            parts = analysis.space.partitions(variant.nanobatches)
+            groups = [
+                None if cap is None else self.runtime.communicators.capped(p.group_name, cap)
+                for p, cap in zip(parts, variant.resources)
+            ]
+            compiled = apply(gm, analysis, decision, groups=groups)
+        return compiled, decision
+
+    def _estimate(
+        self, gm: torch.fx.GraphModule, label: str
+    ) -> tuple[Measurement | None, str | None]:
+        """Modelled time and energy at the default clock where the device can tell at
+        compile time, or why the graph could not be costed: an estimate never fails a compile."""
+        device = self.device
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        try:
+            return device.estimate(gm, world), None
+        except Exception as exc:  # noqa: BLE001 - any model failure is reported, not raised
+            log.warning("%s: %s cannot cost this graph: %s", label, device.name, exc)
+            return None, f"{device.name} cannot cost this graph: {type(exc).__name__}: {exc}"
+
+    def _record(self, report: GraphReport) -> None:
+        with self._lock:
+            self._reports.append((_REGISTRY.next_report(), report))
+        log.info(
+            "%s: %d collectives, %d partitions, %d nanobatches%s", report.label,
+            len(report.collectives), len(report.partitions), report.nanobatches,
+            "".join(f"\n  {n}" for n in report.notes),
+        )
+        if report.fallback:
+            log.warning("%s runs unrewritten: %s", report.label, report.fallback)
+        if self.options.explain:
+            print_report(report)
+
+    def reports(self) -> list[GraphReport]:
+        """This backend's graph reports, in compilation order."""
+        with self._lock:
+            return [r for _, r in self._reports]
+
+    def clear_reports(self) -> None:
+        with self._lock:
+            self._reports.clear()
+
+    def _numbered_reports(self) -> list[tuple[int, GraphReport]]:
+        with self._lock:
+            return list(self._reports)
+
+
+class _BackendRegistry:
+    """Every backend of the process: the one per options value the registered entry point
+    reuses, and those users built themselves; it numbers regions and reports in order."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._backends: list[KareusBackend] = []
+        self._by_options: dict[KareusOptions, KareusBackend] = {}
+        self._regions = itertools.count()
+        self._report_order = itertools.count()
+
+    def add(self, backend: KareusBackend) -> None:
+        with self._lock:
+            self._backends.append(backend)
+
+    def for_options(self, options: KareusOptions) -> KareusBackend:
+        with self._lock:
+            backend = self._by_options.get(options)
+        if backend is None:
+            backend = KareusBackend(options)
+            with self._lock:
+                backend = self._by_options.setdefault(options, backend)
+        return backend
+
+    def next_region(self) -> int:
+        return next(self._regions)
+
+    def next_report(self) -> int:
+        return next(self._report_order)
+
+    def reports(self) -> list[GraphReport]:
+        with self._lock:
+            backends = list(self._backends)
+        return [r for _, r in heapq.merge(*(b._numbered_reports() for b in backends))]
+
+    def clear(self) -> None:
+        with self._lock:
+            backends = list(self._backends)
+        for backend in backends:
+            backend.clear_reports()
+
+
+_REGISTRY = _BackendRegistry()
+
+
+def graph_reports() -> list[GraphReport]:
+    """One record per graph compiled by any kareus backend of this process, in order."""
+    return _REGISTRY.reports()
+
+
+def clear_graph_reports() -> None:
+    _REGISTRY.clear()
+
+
+def backend_for(options: KareusOptions | Mapping[str, Any] | None) -> KareusBackend:
+    """The backend the registered entry point uses for ``options`` (one per options value)."""
+    return _REGISTRY.for_options(KareusOptions.from_dict(options))
 
 
 def kareus_backend(
@@ -77,204 +266,10 @@ def kareus_backend(
     options: Mapping[str, Any] | None = None,
     mode: str | None = None,
 ) -> Callable[..., Any]:
-    """The ``torch._dynamo`` backend: one call per captured region (graph break)."""
+    """The registered ``torch._dynamo`` backend "kareus": one backend per options value."""
     if mode not in (None, "default"):
         raise KareusOptionError(
             f"torch.compile mode {mode!r} is not supported by the kareus backend; "
             "leave mode unset and pass kareus settings through options={...}"
         )
-    opts = KareusOptions.from_dict(options)
-    device = open_device(opts.device)
-    if isinstance(device, NvmlGPU) and isinstance(active_controller(), NullClockController):
-        # A controller the user installed (use_controller) wins over the device's own.
-        set_active_controller(device.clock_controller())
-    region = next(_regions)
-    forward: ForwardInterface | None = None  # set by the forward, read by the backward
-
-    def inner_compile(graph_module: torch.fx.GraphModule, inputs: Sequence[Any], **kwargs: Any):
-        nonlocal forward
-        if kwargs.get("is_backward"):
-            kind = "backward"
-        elif kwargs.get("is_inference"):
-            kind = "inference"
-        else:
-            kind = "forward"
-        result = run_passes(
-            graph_module, inputs, f"r{region}/{kind}", kind, opts, device,
-            static_input_idxs=kwargs.get("static_input_idxs") or (), forward=forward,
-        )
-        if kind == "forward":
-            forward = result.interface
-        report = result.report
-        reports.record(report)
-        log.info(
-            "%s: %d collectives, %d partitions, %d nanobatches%s", report.label,
-            len(report.collectives), len(report.partitions), report.nanobatches,
-            "".join(f"\n  {n}" for n in report.notes),
-        )
-        if report.fallback_reason:
-            log.warning("%s runs unrewritten: %s", report.label, report.fallback_reason)
-        if opts.explain:
-            reports.print_report(report)
-        return lower(result.gm, inputs, opts.lowering, **kwargs)
-
-    # A warm AOT-autograd cache would return compiled graphs without calling
-    # inner_compile, skipping kareus's passes and reports; Inductor's own FX-graph cache
-    # still applies (its key is the graph after our passes).
-    with torch._functorch.config.patch(enable_autograd_cache=False):
-        return compile_fx(
-            gm, example_inputs, inner_compile=inner_compile, config_patches=pinned_schedule_config()
-        )
-
-
-@functools.cache
-def open_device(spec: str) -> Device:
-    """One device per spec and process: NVML is opened (and "auto" decided and logged) once."""
-    return resolve_device(spec)
-
-
-@dataclass(frozen=True)
-class PassResult:
-    gm: torch.fx.GraphModule
-    report: reports.GraphReport
-    interface: ForwardInterface | None  # what the backward needs to know of a forward
-
-
-def run_passes(
-    gm: torch.fx.GraphModule,
-    example_inputs: Sequence[Any],
-    label: str,
-    kind: str,
-    opts: KareusOptions,
-    device: Device,
-    *,
-    static_input_idxs: Sequence[int] = (),
-    forward: ForwardInterface | None = None,
-) -> PassResult:
-    """Analyse ``gm``, rewrite it as the options ask where that is safe, add clock switches."""
-    num_nodes = len(gm.graph.nodes)
-    collectives = find_collectives(gm.graph)
-    partitioning = partition_graph(gm.graph, collectives)
-    symbolic = symbolic_shapes(gm.graph)
-    if symbolic:
-        # Placement reads sizes; on symbolic ones that would add guards and specialise the
-        # graph (a recompile per batch size), so such a graph is not split at all.
-        inputs: dict = {}
-    elif kind == "backward":
-        inputs = backward_inputs(gm.graph, forward)
-    else:
-        inputs = forward_inputs(gm.graph, static_input_idxs)
-    placements = {k: propagate(gm.graph, inputs, k, OP_TABLE) for k in NANOBATCH_COUNTS[1:]}
-    infeasible = {
-        k: symbolic or why for k, result in placements.items()
-        if symbolic or (why := feasibility(gm.graph, result, k, collectives))
-    }
-    space = variant_space(partitioning, placements[2], infeasible)
-    k = opts.nanobatches
-    chosen = placements[max(k, 2)]  # k = 1 reports what k = 2 would split
-    interface = record_forward(gm.graph, chosen) if kind == "forward" else None
-    fallback = infeasible.get(k) if k > 1 else None
-    gm, variant, fallback = _apply_nanobatches(
-        gm, example_inputs, label, k, fallback, partitioning, collectives,
-        chosen, space, opts.agreement_timeout_s,
-    )
-    insert_clock_switch(gm.graph, label)
-    gm.graph.lint()
-    gm.recompile()
-    estimate, not_costed = _estimate(gm, label, device)
-    report = reports.GraphReport.build(
-        label, kind, num_nodes, opts.lowering, collectives, partitioning,
-        device=device.name, estimate=estimate, notes=(not_costed,) if not_costed else (),
-        nanobatches=k if variant else 1, fallback_reason=fallback,
-        variants=space, variant=variant, barriers=chosen.barriers,
-        split_collectives=sum(per_nanobatch(chosen.placements[c.node]) for c in collectives),
-    )
-    return PassResult(gm, report, interface)
-
-
-def symbolic_shapes(graph: torch.fx.Graph) -> str | None:
-    """Why ``graph`` is not split because its inputs have symbolic sizes (None: they don't)."""
-    for node in graph.find_nodes(op="placeholder"):
-        val = node.meta.get("val")
-        if isinstance(val, torch.SymInt) or (
-            isinstance(val, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in val.shape)
-        ):
-            return (
-                f"{node.name} has symbolic sizes (dynamic shapes): kareus splits only graphs "
-                "of static shapes, so that it never specialises a dynamic graph"
-            )
-    return None
-
-
-def _apply_nanobatches(
-    gm: torch.fx.GraphModule,
-    example_inputs: Sequence[Any],
-    label: str,
-    k: int,
-    fallback: str | None,
-    partitioning: GraphPartitioning,
-    collectives: Sequence[Collective],
-    placements: PlacementResult,
-    space: VariantSpace,
-    timeout_s: float,
-) -> tuple[torch.fx.GraphModule, Variant | None, str | None]:
-    """The graph in ``k`` nanobatches, the variant that runs, or the graph and why not.
-
-    Every rank must run the same collectives: the ranks of the graph's collectives compare
-    their decisions (through the store, never a collective: ``consensus.agree``) before any
-    takes effect, also where this rank asked for no rewrite. Sub-communicators for resource
-    caps are created (a collective call) only after that, so no rank creates one alone.
-    """
-    variant = rewritten = None
-    if k > 1 and fallback is None:
-        variant = _choose_variant(label, space, k)
-        slots_only = Schedule(k, variant.slots, (None,) * len(variant.slots))
-        try:
-            rewritten = nanobatch_graph(
-                gm, partitioning, collectives, placements, slots_only, example_inputs, exclusive_kinds
-            )
-        except CannotRewrite as exc:
-            fallback, variant = str(exc), None
-    if collectives:
-        verdict = agree(
-            _agreement_key(graph_hash(gm.graph, shapes=False)), variant,
-            (c.group_name for c in collectives), timeout_s=timeout_s,
-        )
-        if not verdict:
-            fallback = f"the ranks did not confirm one decision ({verdict.reason}); runs unrewritten"
-    if variant is None or fallback:
-        return gm, None, fallback
-    if any(cap is not None for cap in variant.resources):
-        rewritten = nanobatch_graph(
-            gm, partitioning, collectives, placements, space.schedule(variant), example_inputs,
-            exclusive_kinds,
-        )
-    return rewritten, variant, None
-
-
-_compiles_of: collections.Counter[str] = collections.Counter()
-_compiles_lock = threading.Lock()
-
-
-def _agreement_key(graph: str) -> str:
-    """The graph's hash (without shapes: data-dependent sizes differ between ranks) and how
-    often this process compiled it before: the n-th compile of a graph on one rank pairs
-    with the n-th on the others (a program compiled twice with other options agrees afresh;
-    a rank that compiled it once more than the others times out there, and its peers then
-    fall back too, at the same compile)."""
-    with _compiles_lock:
-        _compiles_of[graph] += 1
-        return f"{graph}.{_compiles_of[graph]}"
-
-
-def _estimate(gm: torch.fx.GraphModule, label: str, device: Device) -> tuple[Measurement | None, str | None]:
-    """Modelled time and energy at the default clock (only a simulated GPU can tell at
-    compile time), or why the graph could not be costed: an estimate never fails a compile."""
-    if not isinstance(device, SimulatedGPU):
-        return None, None
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    try:
-        return device.measure(Workload(label, gm=gm, world_size=world), device.search_clocks()[0]), None
-    except Exception as exc:  # noqa: BLE001 - any model failure is reported, not raised
-        log.warning("%s: %s cannot cost this graph: %s", label, device.name, exc)
-        return None, f"{device.name} cannot cost this graph: {type(exc).__name__}: {exc}"
+    return backend_for(options)(gm, example_inputs)

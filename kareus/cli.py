@@ -12,22 +12,40 @@ from rich.table import Table
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kareus", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="log more (-v info, -vv debug)")
+    parser.add_argument(
+        "-v", "--verbose", action="count", default=0, help="log more (-v info, -vv debug)"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="train a small tensor-parallel Llama on 2 gloo CPU processes")
-    demo.add_argument("--world-size", type=int, default=2)
-    demo.add_argument("--steps", type=int, default=12)
-    demo.add_argument("--layers", type=int, default=2)
+    demo = sub.add_parser(
+        "demo", help="train a small tensor-parallel Llama on 2 gloo CPU processes"
+    )
+    demo.add_argument("--world-size", type=_positive, default=2)
+    demo.add_argument("--steps", type=_positive, default=12)
+    demo.add_argument("--layers", type=_positive, default=2)
     demo.add_argument("--sequence-parallel", action="store_true")
     demo.add_argument("--lowering", choices=("inductor", "eager"), default="inductor")
     demo.add_argument("--nanobatches", type=int, choices=(1, 2, 4), default=2)
-    demo.add_argument("--device", default="auto", help='"auto", "nvml", "nvml-dry-run", "sim:<preset>" or a GPU .json')
+    demo.add_argument(
+        "--device",
+        default="auto",
+        help='"auto", "nvml", "nvml-dry-run", "sim:<preset>" or a GPU .json',
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=(logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)],
         format="%(levelname)s %(name)s: %(message)s",
     )
     return {"demo": _demo}[args.command](args)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _demo(args: argparse.Namespace) -> int:

@@ -21,6 +21,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kareus.models.llama import Llama, LlamaConfig, parallelize_llama
+from kareus.passes.analyse import GraphAnalysis
+from kareus.passes.variants import Variant
 
 
 @dataclass(frozen=True)
@@ -108,26 +110,23 @@ def batches(cfg: DemoConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def train(rank: int, cfg: DemoConfig) -> RankResult:
     import kareus
-    import kareus.backend
-    from kareus.runtime.clock import RecordingClockController, use_controller
+    from kareus.passes.decide import earliest_slots
 
-    if cfg.slot_seed is not None:
-        kareus.backend.set_variant_chooser(
-            # seeded by the graph's label: every rank draws the same variant
-            lambda label, space, k: space.sample(random.Random(f"{cfg.slot_seed}:{label}"), k)
-        )
+    chooser = earliest_slots if cfg.slot_seed is None else SeededSlots(cfg.slot_seed)
     model = build_model(cfg)
-    compiled = torch.compile(model, backend="kareus", options=dict(cfg.options))
+    compiled = torch.compile(model, backend=kareus.KareusBackend(cfg.options, chooser=chooser))
     reference = build_model(cfg) if cfg.compare_eager else None
     run_reference = reference
     if reference is not None and cfg.reference_options is not None:
-        run_reference = torch.compile(reference, backend="kareus", options=dict(cfg.reference_options))
+        run_reference = torch.compile(
+            reference, backend="kareus", options=dict(cfg.reference_options)
+        )
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=cfg.lr) if reference else None
 
     losses, reference_losses, grad_diffs = [], [], []
-    recorder = RecordingClockController()
-    with use_controller(recorder):
+    recorder = kareus.RecordingClockController()
+    with kareus.use_controller(recorder):
         for inputs, targets in batches(cfg):
             loss = _step(compiled, opt, inputs, targets)
             losses.append(loss)
@@ -144,6 +143,17 @@ def train(rank: int, cfg: DemoConfig) -> RankResult:
         clock_switches=[(s.graph, s.mhz) for s in recorder.switches],
         reports=kareus.graph_reports(),
     )
+
+
+@dataclass(frozen=True)
+class SeededSlots:
+    """Draws every partition's launch slot at random, seeded by the graph's structural
+    hash: every rank draws the same variant."""
+
+    seed: int
+
+    def __call__(self, analysis: GraphAnalysis, k: int) -> Variant:
+        return analysis.space.sample(random.Random(f"{self.seed}:{analysis.key}"), k)
 
 
 def _step(model, opt, inputs, targets) -> float:

@@ -12,8 +12,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kareus.errors import KareusError
 
-class KareusOptionError(ValueError):
+
+class KareusOptionError(KareusError, ValueError):
     """An option given to the kareus backend is unknown, of the wrong type or out of range."""
 
 
@@ -30,7 +32,8 @@ class KareusOptions:
         default="auto",
         metadata={
             "validate": lambda value: _device_problem(value),
-            "accepted": '"auto" | "nvml" | "nvml-dry-run" | "sim:<preset>" | a custom GPU .json path',
+            "accepted": '"auto" | "nvml" | "nvml-dry-run" | "sim:<preset>" '
+            "| a custom GPU .json path",
             "doc": "the GPU whose clocks kareus controls and whose time and energy it measures "
             "or models; auto: this GPU through NVML, else the simulated default",
         },
@@ -60,6 +63,11 @@ class KareusOptions:
         },
     )
 
+    def __post_init__(self) -> None:
+        # However the options are built (from a dict, or directly), a bad value fails here.
+        for f in dataclasses.fields(self):
+            _check(f, getattr(self, f.name))
+
     @classmethod
     def from_dict(cls, options: Mapping[str, Any] | None) -> KareusOptions:
         if options is None:
@@ -78,8 +86,6 @@ class KareusOptions:
                 f"{', '.join(repr(k) for k in unknown)}; accepted options: "
                 f"{', '.join(sorted(fields))}"
             )
-        for name, value in options.items():
-            _check(fields[name], value)
         return cls(**options)
 
     def to_dict(self) -> dict[str, Any]:
@@ -126,6 +132,3 @@ def _check(f: dataclasses.Field, value: Any) -> None:
             f"{problem + '; ' if problem else ''}accepted: {_accepted(f)}"
         )
 
-
-def parse_options(options: Mapping[str, Any] | None) -> KareusOptions:
-    return KareusOptions.from_dict(options)

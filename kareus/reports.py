@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-import threading
 from dataclasses import dataclass
 
 from rich.console import Console
 from rich.table import Table
 
+from kareus.passes.analyse import GraphAnalysis
 from kareus.passes.collectives import Collective
-from kareus.passes.partition import GraphPartitioning, Slot
-from kareus.passes.placement import Barrier
+from kareus.passes.decide import Decision
+from kareus.passes.partition import Slot
+from kareus.passes.placement import per_nanobatch
+from kareus.passes.reasons import Reason
 from kareus.passes.variants import Variant, VariantSpace
 from kareus.profiler.devices.base import Measurement
 
@@ -36,8 +38,8 @@ class CollectiveReport:
     @classmethod
     def of(cls, c: Collective) -> CollectiveReport:
         return cls(
-            c.name, c.kind, c.group_name, c.group_size, c.reduce_op, str(c.dtype).removeprefix("torch."),
-            c.shapes, c.payload_bytes, c.bytes_per_rank,
+            c.name, c.kind, c.group_name, c.group_size, c.reduce_op,
+            str(c.dtype).removeprefix("torch."), c.shapes, c.payload_bytes, c.bytes_per_rank,
         )
 
 
@@ -59,12 +61,12 @@ class Coverage:
 
     split: int
     total: int
-    first_barrier: Barrier | None
+    first_barrier: Reason | None
 
     def __str__(self) -> str:
         text = f"{self.split}/{self.total} collectives split"
         if self.first_barrier is not None:
-            text += f"; first barrier {self.first_barrier.node}: {self.first_barrier.reason}"
+            text += f"; first barrier {self.first_barrier}"
         return text
 
 
@@ -72,7 +74,8 @@ class Coverage:
 class GraphReport:
     """One compiled graph: its kind, label (as passed to ``set_clock``) and what was found."""
 
-    label: str
+    label: str  # for display and clock-switch records
+    key: str  # the graph's structural hash: its identity across ranks and runs
     kind: str  # "forward" | "backward" | "inference"
     num_nodes: int
     lowering: str
@@ -81,66 +84,57 @@ class GraphReport:
     notes: tuple[str, ...]
     device: str
     estimate: Measurement | None  # modelled at the default clock (simulated devices only)
+    requested: int  # the nanobatch count asked for
     nanobatches: int  # the count actually applied (1: unrewritten)
-    fallback_reason: str | None  # why the requested count did not apply (None: it did)
+    fallback: Reason | None  # why the requested count did not apply (None: it did)
+    clock_mhz: int  # the clock the graph asks for at its start (0: default clocks)
     variants: VariantSpace
     variant: Variant | None  # the point of the space that runs (None: unrewritten)
-    barriers: tuple[Barrier, ...]  # where split regions end, and why
+    barriers: tuple[Reason, ...]  # where split regions end, and why
     coverage: Coverage
 
     @classmethod
     def build(
-        cls, label: str, kind: str, num_nodes: int, lowering: str,
-        collectives: list[Collective], partitioning: GraphPartitioning | None,
-        *, device: str, variants: VariantSpace, variant: Variant | None = None, nanobatches: int = 1,
-        fallback_reason: str | None = None, barriers: tuple[Barrier, ...] = (),
-        split_collectives: int = 0, estimate: Measurement | None = None,
+        cls,
+        analysis: GraphAnalysis,
+        decision: Decision,
+        *,
+        lowering: str,
+        device: str,
+        estimate: Measurement | None = None,
         notes: tuple[str, ...] = (),
     ) -> GraphReport:
-        parts = partitioning.partitions if partitioning else ()
+        placed = analysis.placements_at(decision.requested)
+        split = sum(per_nanobatch(placed.placements[c.node]) for c in analysis.collectives)
+        barriers = tuple(placed.barriers)
         return cls(
-            label=label,
-            kind=kind,
-            num_nodes=num_nodes,
+            label=analysis.label,
+            key=analysis.key,
+            kind=analysis.kind,
+            num_nodes=analysis.num_nodes,
             lowering=lowering,
-            collectives=tuple(CollectiveReport.of(c) for c in collectives),
+            collectives=tuple(CollectiveReport.of(c) for c in analysis.collectives),
             partitions=tuple(
-                PartitionReport(p.index, p.collective.name, p.collective.kind, p.key, p.slots, len(p.nodes))
-                for p in parts
+                PartitionReport(
+                    p.index, p.collective.name, p.collective.kind, p.key, p.slots, len(p.nodes)
+                )
+                for p in analysis.partitioning.partitions
             ),
-            notes=(*(partitioning.notes if partitioning else ()), *notes),
+            notes=(*analysis.partitioning.notes, *notes),
             device=device,
             estimate=estimate,
-            nanobatches=nanobatches,
-            fallback_reason=fallback_reason,
-            variants=variants,
-            variant=variant,
+            requested=decision.requested,
+            nanobatches=decision.variant.nanobatches if decision.variant else 1,
+            fallback=decision.reason,
+            clock_mhz=decision.clock_mhz,
+            variants=analysis.space,
+            variant=decision.variant,
             barriers=barriers,
-            coverage=Coverage(split_collectives, len(collectives), barriers[0] if barriers else None),
+            coverage=Coverage(split, len(analysis.collectives), barriers[0] if barriers else None),
         )
 
     def to_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
-
-
-_lock = threading.Lock()
-_reports: list[GraphReport] = []
-
-
-def record(report: GraphReport) -> None:
-    with _lock:
-        _reports.append(report)
-
-
-def graph_reports() -> list[GraphReport]:
-    """One record per graph compiled by kareus in this process, in compilation order."""
-    with _lock:
-        return list(_reports)
-
-
-def clear_graph_reports() -> None:
-    with _lock:
-        _reports.clear()
 
 
 def report_table(report: GraphReport) -> Table:
@@ -163,11 +157,16 @@ def report_table(report: GraphReport) -> Table:
     )
     if report.variant is not None:
         title += f"; launch slots {list(report.variant.slots)}"
+    if report.clock_mhz:
+        title += f"; clock {report.clock_mhz} MHz"
     table = Table(title=title, title_justify="left")
-    for column in ("collective", "kind", "group", "payload", "partition key", "launch slots", "resources"):
+    for column in (
+        "collective", "kind", "group", "payload", "partition key", "launch slots", "resources"
+    ):
         table.add_column(column, overflow="fold")
     by_collective = {p.collective: p for p in report.partitions}
-    choices = {c.collective: c for c in space.partitions}
+    shown = report.variant.nanobatches if report.variant else max(space.nanobatches)
+    choices = {c.collective: c for c in space.choices.get(shown, ())}
     for c in report.collectives:
         p, choice = by_collective.get(c.name), choices.get(c.name)
         table.add_row(
@@ -180,10 +179,10 @@ def report_table(report: GraphReport) -> Table:
             _resources(choice.resources) if choice else "-",
         )
     caption = [*report.notes]
-    if report.fallback_reason:
-        caption.append(f"runs unrewritten: {report.fallback_reason}")
+    if report.fallback:
+        caption.append(f"runs unrewritten: {report.fallback}")
     caption += [f"k={k} does not apply: {why}" for k, why in sorted(space.infeasible.items())]
-    caption += [f"split region ends at {b.node}: {b.reason}" for b in report.barriers[:3]]
+    caption += [f"split region ends at {b}" for b in report.barriers[:3]]
     if len(report.barriers) > 3:
         caption.append(f"... and {len(report.barriers) - 3} more barriers")
     if caption:

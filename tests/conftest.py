@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import pytest
 import torch
 import torch.distributed as dist
+import torch.fx
+from torch._functorch.aot_autograd import make_boxed_func
+from torch._inductor.compile_fx import compile_fx
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import kareus
 from kareus.models.llama import Llama, LlamaConfig, parallelize_llama
+from kareus.passes.analyse import GraphAnalysis, analyse
 
 
 def init_fake_pg(world_size: int) -> None:
@@ -41,3 +48,54 @@ def tp_llama(n_layers: int, *, sequence_parallel: bool = False, world_size: int 
     return parallelize_llama(
         Llama(LlamaConfig(n_layers=n_layers)), mesh, sequence_parallel=sequence_parallel
     )
+
+
+@dataclass(frozen=True)
+class AotGraph:
+    """A graph as AOT autograd hands it to a backend's inner compiler, before any pass."""
+
+    gm: torch.fx.GraphModule
+    inputs: tuple[Any, ...]
+    kind: str
+    static_input_idxs: tuple[int, ...]
+
+
+def aot_graphs(model: torch.nn.Module, *args: Any, backward: bool = True) -> list[AotGraph]:
+    """The forward (and, after ``.sum().backward()``, backward) graphs of ``model(*args)``."""
+    captured = []
+
+    def capture(gm, inputs, **kwargs):
+        kind = (
+            "backward" if kwargs.get("is_backward")
+            else "inference" if kwargs.get("is_inference")
+            else "forward"
+        )
+        captured.append(
+            AotGraph(gm, tuple(inputs), kind, tuple(kwargs.get("static_input_idxs") or ()))
+        )
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        model, backend=lambda gm, ex: compile_fx(gm, ex, inner_compile=capture)
+    )
+    out = compiled(*args)
+    if backward:
+        out.sum().backward()
+    torch._dynamo.reset()
+    return captured
+
+
+def analysed(
+    model: torch.nn.Module, *args: Any, backward: bool = True
+) -> list[tuple[AotGraph, GraphAnalysis]]:
+    """``aot_graphs`` with each graph analysed as the backend does (a backward after its
+    forward)."""
+    out, forward = [], None
+    for g in aot_graphs(model, *args, backward=backward):
+        a = analyse(
+            g.gm, g.inputs, g.kind, forward, static_input_idxs=g.static_input_idxs, label=g.kind
+        )
+        forward = a.interfaces if g.kind == "forward" else forward
+        out.append((g, a))
+    return out

@@ -258,3 +258,11 @@ class FakeNvml:
     @staticmethod
     def read_state(path: str | Path) -> dict[str, object]:
         return json.loads(Path(path).read_text())
+
+
+def opened(fake: FakeNvml | None = None) -> tuple[FakeNvml, FakeGpu]:
+    """A fake driver after ``nvmlInit`` (as a device opens it) and the handle of GPU 0, for
+    testing one part of the NVML device on its own."""
+    fake = fake or FakeNvml()
+    fake.nvmlInit()
+    return fake, fake.nvmlDeviceGetHandleByIndex(0)

@@ -124,7 +124,7 @@ def _session(rank: int, port: int, out: str) -> None:
             del records[:]
             try:
                 results[scenario.__name__] = scenario()
-            except Exception as exc:  # reported by the test of that scenario
+            except Exception as exc:  # noqa: BLE001 - reported by the test of that scenario
                 results[scenario.__name__] = {"error": repr(exc)}
             results[scenario.__name__ + "_logs"] = list(records)
         _barrier(store, "end")

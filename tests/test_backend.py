@@ -6,15 +6,16 @@ import textwrap
 
 import pytest
 import torch
-from conftest import tp_llama
-from torch._functorch.aot_autograd import make_boxed_func
-from torch._inductor.compile_fx import compile_fx
+from conftest import analysed, tp_llama
 from torch._inductor.utils import run_and_get_code
 from torch.testing import FileCheck
 
 import kareus
-import kareus.backend
-from kareus.runtime.clock import RecordingClockController, use_controller
+from kareus import KareusBackend, RecordingClockController, use_controller
+from kareus.backend import backend_for
+from kareus.passes.apply import apply
+from kareus.passes.decide import DecisionError, Policy, decide
+from kareus.passes.variants import Variant
 from kareus.runtime.ops import set_clock
 
 
@@ -23,14 +24,18 @@ def test_backend_name_resolves_in_a_fresh_process_without_importing_kareus():
         """
         import sys, torch
         assert "kareus" not in sys.modules
-        f = torch.compile(lambda x: torch.sin(x) + 1, backend="kareus", options={"lowering": "eager"})
+        f = torch.compile(
+            lambda x: torch.sin(x) + 1, backend="kareus", options={"lowering": "eager"}
+        )
         x = torch.randn(5)
         torch.testing.assert_close(f(x), torch.sin(x) + 1)
         import kareus
         print([r.kind for r in kareus.graph_reports()])
         """
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "['inference']"
 
@@ -45,45 +50,35 @@ class MLP(torch.nn.Module):
 
 
 def _ops(gm: torch.fx.GraphModule) -> list[str]:
-    return [str(n.target) for n in gm.graph.nodes if n.op == "call_function" and n.target is not set_clock]
+    return [
+        str(n.target)
+        for n in gm.graph.nodes
+        if n.op == "call_function" and n.target is not set_clock
+    ]
 
 
 @pytest.mark.parametrize("lowering", ["inductor", "eager"])
-def test_model_without_collectives_compiles_unchanged(lowering, monkeypatch):
-    plain = []
-
-    def capture(gm, inputs, **kwargs):
-        plain.append(_ops(gm))
-        return make_boxed_func(gm.forward)
-
+def test_model_without_collectives_compiles_unchanged(lowering):
     torch.manual_seed(0)
     model, x = MLP(), torch.randn(3, 8)
-    torch.compile(copy.deepcopy(model), backend=lambda gm, ex: compile_fx(gm, ex, inner_compile=capture))(x).sum().backward()
-    torch._dynamo.reset()
+    for g, a in analysed(copy.deepcopy(model), x):
+        applied = apply(g.gm, a, decide(a, Policy()))
+        assert _ops(applied) == _ops(g.gm), "only the clock switch is added"
+        FileCheck().check("torch.ops.kareus.set_clock.default").check("torch.ops.aten").run(applied.code)
+        FileCheck().check_count("kareus.set_clock", 1, exactly=True).run(applied.code)
 
-    lowered, switches = [], []
-
-    def spy(gm, *args, **kwargs):  # Inductor mutates the graph it lowers: look first
-        lowered.append(_ops(gm))
-        switches.append(sum(n.target is set_clock for n in gm.graph.nodes))
-        return real_lower(gm, *args, **kwargs)
-
-    real_lower = kareus.backend.lower
-    monkeypatch.setattr(kareus.backend, "lower", spy)
     ref_model = copy.deepcopy(model)
-    out = torch.compile(model, backend="kareus", options={"lowering": lowering})(x)
+    backend = KareusBackend({"lowering": lowering})
+    out = torch.compile(model, backend=backend)(x)
     out.sum().backward()
     ref = ref_model(x)
     ref.sum().backward()
-
     torch.testing.assert_close(out, ref)
     for p, q in zip(model.parameters(), ref_model.parameters()):
         torch.testing.assert_close(p.grad, q.grad)
-    assert [r.kind for r in kareus.graph_reports()] == ["forward", "backward"]
-    for report in kareus.graph_reports():
+    assert [r.kind for r in backend.reports()] == ["forward", "backward"]
+    for report in backend.reports():
         assert report.collectives == () and report.partitions == () and report.notes == ()
-    assert lowered == plain, "only the clock switch is added"
-    assert switches == [1, 1]
 
 
 def test_clock_switch_is_pinned_at_graph_entry_in_inductor_code(fake_pg):
@@ -128,7 +123,9 @@ def test_one_switch_per_graph_execution_in_order():
 
 def test_explain_prints_a_table_and_logs(fake_pg, capsys, caplog):
     caplog.set_level(logging.INFO, logger="kareus")
-    model = torch.compile(tp_llama(1), backend="kareus", options={"explain": True, "lowering": "eager"})
+    model = torch.compile(
+        tp_llama(1), backend="kareus", options={"explain": True, "lowering": "eager"}
+    )
     model(torch.randint(0, 256, (2, 8)))
     printed = capsys.readouterr().out
     (report,) = kareus.graph_reports()
@@ -143,17 +140,23 @@ def test_explain_prints_a_table_and_logs(fake_pg, capsys, caplog):
 def test_reports_serialise(fake_pg):
     import json
 
-    torch.compile(tp_llama(1), backend="kareus", options={"lowering": "eager"})(torch.randint(0, 256, (4, 8)))
+    torch.compile(tp_llama(1), backend="kareus", options={"lowering": "eager"})(
+        torch.randint(0, 256, (4, 8))
+    )
     (report,) = kareus.graph_reports()
     data = json.loads(json.dumps(report.to_dict(), default=str))
     assert data["kind"] == "forward" and data["nanobatches"] == 1
-    assert [c["kind"] for c in data["collectives"]] == ["all_reduce", "all_reduce", "all_reduce", "all_gather"]
+    assert [c["kind"] for c in data["collectives"]] == [
+        "all_reduce", "all_reduce", "all_reduce", "all_gather"
+    ]
     assert data["partitions"][1]["slots"][1]["kind"] == "matmul"
     assert data["variants"]["nanobatches"] == [1, 2, 4]
 
 
 def test_no_table_without_explain(fake_pg, capsys):
-    torch.compile(tp_llama(1), backend="kareus", options={"lowering": "eager"})(torch.randint(0, 256, (2, 8)))
+    torch.compile(tp_llama(1), backend="kareus", options={"lowering": "eager"})(
+        torch.randint(0, 256, (2, 8))
+    )
     assert "launch slots" not in capsys.readouterr().out
 
 
@@ -171,3 +174,69 @@ def test_bad_options_and_modes_fail_before_compiling(compile_kwargs, message):
         torch.compile(MLP(), backend="kareus", **compile_kwargs)(torch.randn(2, 8))
     assert isinstance(info.value.inner_exception, kareus.KareusOptionError)
     assert kareus.graph_reports() == []
+
+
+def test_the_registered_backend_is_one_per_options_value():
+    for _ in range(2):
+        torch.compile(MLP(), backend="kareus", options={"lowering": "eager"})(torch.randn(2, 8))
+        torch._dynamo.reset()
+    torch.compile(MLP(), backend="kareus", options={"lowering": "eager", "explain": False})(
+        torch.randn(2, 8)
+    )
+    own = KareusBackend({"lowering": "eager"})
+    torch._dynamo.reset()
+    torch.compile(MLP(), backend=own)(torch.randn(2, 8))
+    reports = kareus.graph_reports()
+    assert len(reports) == 4 and reports[-1] == own.reports()[0]
+    shared = backend_for({"lowering": "eager"})
+    assert shared is not own and len(shared.reports()) == 3  # three compiles, one backend
+
+
+@pytest.mark.parametrize(
+    "chooser, message",
+    [
+        (
+            lambda a, k: Variant(4, *(a.space.default(4).slots, a.space.default(4).resources)),
+            "2 nanobatches were asked for",
+        ),
+        (
+            lambda a, k: Variant(
+                k, (99,) * len(a.space.partitions(k)), a.space.default(k).resources
+            ),
+            "slot 99 outside",
+        ),
+        (lambda a, k: None, "expected a Variant, got NoneType"),
+    ],
+    ids=["other-count", "slot-out-of-range", "nothing"],
+)
+def test_a_chooser_outside_the_space_fails_the_compile_clearly(fake_pg, chooser, message):
+    backend = KareusBackend({"nanobatches": 2, "lowering": "eager"}, chooser=chooser)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match=message) as info:
+        torch.compile(tp_llama(1), backend=backend)(torch.randint(0, 256, (4, 8)))
+    assert isinstance(info.value.inner_exception, DecisionError)
+    assert isinstance(info.value.inner_exception, kareus.KareusError)
+    assert backend.reports() == []
+
+
+def test_use_controller_routes_each_thread_to_its_own_controller():
+    import threading
+
+    model = torch.compile(MLP(), backend=KareusBackend({"lowering": "eager"}))
+    model(torch.randn(2, 8))  # compile once, outside the threads
+    recorders = [RecordingClockController(), RecordingClockController()]
+    inside = threading.Barrier(2)
+
+    def train(recorder, steps):
+        with use_controller(recorder):
+            inside.wait()  # both controllers installed at once
+            for _ in range(steps):
+                model(torch.randn(2, 8)).sum().backward()
+            inside.wait()
+
+    threads = [threading.Thread(target=train, args=(r, n)) for r, n in zip(recorders, (2, 3))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [len(r.switches) for r in recorders] == [4, 6]  # a forward and a backward per step
+    assert [r.resets for r in recorders] == [1, 1]

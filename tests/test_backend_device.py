@@ -6,68 +6,82 @@ from conftest import tp_llama
 from fake_pynvml import FakeNvml
 
 import kareus
-import kareus.backend
-from kareus.runtime.clock import NullClockController, active_controller, set_active_controller
+from kareus import KareusBackend
 from kareus.profiler.devices.errors import NvmlUnavailableError
 from kareus.profiler.devices.nvml import NvmlGPU
+from kareus.runtime import process_runtime
 
 
 @pytest.fixture(autouse=True)
-def fresh_devices():
-    kareus.backend.open_device.cache_clear()
-    previous = set_active_controller(NullClockController())
-    yield
-    kareus.backend.open_device.cache_clear()
-    set_active_controller(previous)
+def fresh_runtime():
+    """Devices opened here and the default clock controller do not outlive a test."""
+    runtime = process_runtime()
+    runtime.forget_devices()
+    previous = runtime.clocks.set_default(kareus.NullClockController())
+    yield runtime
+    runtime.forget_devices()
+    runtime.clocks.set_default(previous)
 
 
-def test_simulated_device_estimates_each_graph_at_its_default_clock(fake_pg):
-    model = torch.compile(tp_llama(1), backend="kareus", options={"device": "sim:a100-sxm4-40gb"})
-    model(torch.randint(0, 256, (2, 8))).sum().backward()
-    for report in kareus.graph_reports():
+def test_simulated_device_estimates_each_graph_at_its_default_clock(fake_pg, fresh_runtime):
+    backend = KareusBackend({"device": "sim:a100-sxm4-40gb"})
+    torch.compile(tp_llama(1), backend=backend)(torch.randint(0, 256, (2, 8))).sum().backward()
+    for report in backend.reports():
         assert report.device == "sim:a100-sxm4-40gb"
         est = report.estimate
         assert est.method == "simulated" and est.clock_mhz == 1410
         assert est.time_s > 0 and est.energy_j > est.static_power_w * est.time_s
-    # a simulated device controls no clock: the process-wide controller is untouched
-    assert isinstance(active_controller(), NullClockController)
+    # a simulated device controls no clock: the process's default controller is untouched
+    assert isinstance(fresh_runtime.clocks.current(), kareus.NullClockController)
 
 
 def test_auto_on_a_cpu_machine_uses_the_simulated_default_and_says_so(caplog):
-    torch.compile(lambda x: x * 2, backend="kareus")(torch.randn(3))
-    (report,) = kareus.graph_reports()
+    backend = KareusBackend()
+    torch.compile(lambda x: x * 2, backend=backend)(torch.randn(3))
+    (report,) = backend.reports()
     assert report.device == "sim:h200"
     assert 'device="auto": torch sees no CUDA GPU' in caplog.text
 
 
 def test_nvml_without_a_gpu_fails_with_what_to_do():
+    backend = KareusBackend({"device": "nvml"})
     with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
-        torch.compile(lambda x: x * 2, backend="kareus", options={"device": "nvml"})(torch.randn(3))
+        torch.compile(lambda x: x * 2, backend=backend)(torch.randn(3))
     assert isinstance(info.value.inner_exception, NvmlUnavailableError)
+    assert isinstance(info.value.inner_exception, kareus.KareusError)
 
 
-def test_nvml_device_drives_clock_switches(monkeypatch):
+@pytest.fixture
+def nvml_gpu():
+    """A GPU behind a fake NVML."""
     fake = FakeNvml()
     gpu = NvmlGPU(nvml_module=fake, cuda=False, reset_at_exit=False)
-    monkeypatch.setattr(kareus.backend, "resolve_device", lambda spec: gpu)
-    f = torch.compile(lambda x: x.sin(), backend="kareus", options={"device": "nvml"})
-    f(torch.randn(3))
-    controller = active_controller()
+    yield fake, gpu
+    gpu.close()
+
+
+def test_nvml_device_drives_the_graphs_clock_switches(nvml_gpu, fresh_runtime):
+    fake, gpu = nvml_gpu
+    backend = KareusBackend({"device": "nvml"}, clock_mhz=1200, device=gpu)
+    torch.compile(lambda x: x.sin(), backend=backend)(torch.randn(3))
+    controller = fresh_runtime.clocks.current()
     assert controller is gpu.clock_controller()
     controller.flush()
-    # the graph asks for the default clock, which the GPU already runs: no setter call
-    assert fake.setter_calls() == []
-    assert kareus.graph_reports()[0].estimate is None
-    gpu.close()
+    (report,) = backend.reports()
+    assert report.clock_mhz == 1200 and report.estimate is None
+    # the graph's entry asked the GPU for its decided clock: one lock through NVML
+    assert [c[0] for c in fake.setter_calls()] == ["nvmlDeviceSetGpuLockedClocks"]
+    assert fake.setter_calls()[0][-2:] == (1200, 1200)
+    assert [(s.graph, s.mhz) for s in controller.switches] == [(report.label, 1200)]
 
 
-def test_a_controller_installed_by_the_user_wins(monkeypatch):
-    fake = FakeNvml()
-    gpu = NvmlGPU(nvml_module=fake, cuda=False, reset_at_exit=False)
-    monkeypatch.setattr(kareus.backend, "resolve_device", lambda spec: gpu)
+def test_a_controller_installed_by_the_user_wins(nvml_gpu, fresh_runtime):
+    fake, gpu = nvml_gpu
+    backend = KareusBackend({"device": "nvml"}, clock_mhz=1200, device=gpu)
     recorder = kareus.RecordingClockController()
     with kareus.use_controller(recorder):
-        torch.compile(lambda x: x.cos(), backend="kareus", options={"device": "nvml"})(torch.randn(3))
-        assert active_controller() is recorder
-    assert len(recorder.switches) == 1
-    gpu.close()
+        torch.compile(lambda x: x.cos(), backend=backend)(torch.randn(3))
+        assert fresh_runtime.clocks.current() is recorder
+    assert [s.mhz for s in recorder.switches] == [1200]
+    gpu.clock_controller().flush()
+    assert fake.setter_calls() == []

@@ -42,7 +42,12 @@ def test_training_matches_eager(lowering, sequence_parallel):
 
 @pytest.mark.parametrize(
     "sequence_parallel, k, lowering, seed",
-    [(False, 2, "inductor", 1), (False, 4, "eager", 2), (True, 2, "eager", 3), (True, 4, "inductor", 4)],
+    [
+        (False, 2, "inductor", 1),
+        (False, 4, "eager", 2),
+        (True, 2, "eager", 3),
+        (True, 4, "inductor", 4),
+    ],
     ids=["tp-k2-inductor", "tp-k4-eager", "sp-k2-eager", "sp-k4-inductor"],
 )
 def test_nanobatched_training_matches_unrewritten(sequence_parallel, k, lowering, seed):
@@ -66,4 +71,6 @@ def test_nanobatched_training_matches_unrewritten(sequence_parallel, k, lowering
             assert compiled == pytest.approx(reference, rel=1e-5, abs=1e-6)
         assert max(r.max_grad_diff) < 1e-5, r.max_grad_diff
     # every rank drew the same variant for every graph
-    assert [rep.variant for rep in results[0].reports] == [rep.variant for rep in results[1].reports]
+    assert [rep.variant for rep in results[0].reports] == [
+        rep.variant for rep in results[1].reports
+    ]

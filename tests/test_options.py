@@ -2,7 +2,10 @@ import dataclasses
 
 import pytest
 
-from kareus.options import KareusOptionError, KareusOptions, parse_options
+from kareus.errors import KareusError
+from kareus.options import KareusOptionError, KareusOptions
+
+parse_options = KareusOptions.from_dict
 
 
 def test_defaults():
@@ -10,7 +13,9 @@ def test_defaults():
     assert parse_options({}) == KareusOptions(lowering="inductor", explain=False)
 
 
-@pytest.mark.parametrize("device", ["auto", "nvml", "nvml-dry-run", "sim:h200", "sim:a100-sxm4-40gb"])
+@pytest.mark.parametrize(
+    "device", ["auto", "nvml", "nvml-dry-run", "sim:h200", "sim:a100-sxm4-40gb"]
+)
 def test_valid_dict_round_trips(device):
     opts = parse_options({"lowering": "eager", "explain": True, "device": device})
     assert (opts.lowering, opts.explain, opts.device) == ("eager", True, device)
@@ -26,18 +31,45 @@ def test_custom_gpu_file_is_a_device(tmp_path):
 @pytest.mark.parametrize(
     "options, message",
     [
-        ({"lowerin": "eager"}, "unknown kareus option 'lowerin'; accepted options: agreement_timeout_s, device, explain, lowering"),
-        ({"agreement_timeout_s": 0}, "kareus option 'agreement_timeout_s': got 0 (int); must be finite and > 0"),
-        ({"agreement_timeout_s": "5"}, "kareus option 'agreement_timeout_s': got '5' (str); not a number"),
+        (
+            {"lowerin": "eager"},
+            (
+                "unknown kareus option 'lowerin'; "
+                "accepted options: agreement_timeout_s, device, explain, lowering"
+            ),
+        ),
+        (
+            {"agreement_timeout_s": 0},
+            "kareus option 'agreement_timeout_s': got 0 (int); must be finite and > 0",
+        ),
+        (
+            {"agreement_timeout_s": "5"},
+            "kareus option 'agreement_timeout_s': got '5' (str); not a number",
+        ),
         ({"a": 1, "b": 2}, "unknown kareus options 'a', 'b'"),
-        ({"lowering": "aot_eager"}, "kareus option 'lowering': got 'aot_eager' (str); accepted: 'inductor' | 'eager'"),
+        (
+            {"lowering": "aot_eager"},
+            "kareus option 'lowering': got 'aot_eager' (str); accepted: 'inductor' | 'eager'",
+        ),
         ({"lowering": None}, "kareus option 'lowering': got None (NoneType)"),
         ({"explain": "yes"}, "kareus option 'explain': got 'yes' (str); accepted: bool"),
         ({"explain": 1}, "kareus option 'explain': got 1 (int); accepted: bool"),
         (["lowering"], "kareus options must be a dict, got list"),
-        ({"device": "sim:a100"}, "kareus option 'device': got 'sim:a100' (str); no simulated preset of that name; presets: sim:a100-sxm4-40gb"),
+        (
+            {"device": "sim:a100"},
+            (
+                "kareus option 'device': got 'sim:a100' (str); no simulated preset of that name; "
+                "presets: sim:a100-sxm4-40gb"
+            ),
+        ),
         ({"device": "cuda:0"}, "kareus option 'device': got 'cuda:0' (str); no such file: cuda:0"),
-        ({"device": 0}, "kareus option 'device': got 0 (int); expected a string, got int; accepted: \"auto\" | \"nvml\""),
+        (
+            {"device": 0},
+            (
+                "kareus option 'device': got 0 (int); expected a string, got int; "
+                'accepted: "auto" | "nvml"'
+            ),
+        ),
     ],
 )
 def test_bad_options_name_key_value_and_accepted(options, message):
@@ -55,3 +87,17 @@ def test_every_option_is_described():
     described = KareusOptions.describe()
     assert set(described) == set(KareusOptions().to_dict())
     assert "'inductor' | 'eager'" in described["lowering"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"nanobatches": 3}, "kareus option 'nanobatches': got 3 (int); accepted: 1 | 2 | 4"),
+        ({"lowering": "cuda"}, "kareus option 'lowering': got 'cuda'"),
+        ({"agreement_timeout_s": -1.0}, "must be finite and > 0"),
+    ],
+)
+def test_options_built_directly_are_checked_too(kwargs, message):
+    with pytest.raises(KareusOptionError, match=message) as info:
+        KareusOptions(**kwargs)
+    assert isinstance(info.value, KareusError)

@@ -115,7 +115,8 @@ def size_hint(size: int | torch.SymInt) -> int:
 def _meta_val(node: torch.fx.Node) -> torch.Tensor:
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor):
-        raise ValueError(f"collective input {node.name} has no tensor metadata")
+        # A node without (tensor) metadata is a malformed graph, not an argument of the wrong type.
+        raise ValueError(f"collective input {node.name} has no tensor metadata")  # noqa: TRY004
     return val
 
 

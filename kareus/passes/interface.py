@@ -27,7 +27,9 @@ class ForwardInterface:
     outputs: tuple[str | None, ...]
 
 
-def forward_inputs(graph: torch.fx.Graph, static_input_idxs: Sequence[int]) -> dict[torch.fx.Node, NodePlacement]:
+def forward_inputs(
+    graph: torch.fx.Graph, static_input_idxs: Sequence[int]
+) -> dict[torch.fx.Node, NodePlacement]:
     static = set(static_input_idxs)
     inputs = list(graph.find_nodes(op="placeholder"))
     activations = [
@@ -47,7 +49,9 @@ def record_forward(graph: torch.fx.Graph, result: PlacementResult) -> ForwardInt
     return ForwardInterface({n.name: p for n, p in result.placements.items()}, outputs)
 
 
-def backward_inputs(graph: torch.fx.Graph, forward: ForwardInterface | None) -> dict[torch.fx.Node, NodePlacement]:
+def backward_inputs(
+    graph: torch.fx.Graph, forward: ForwardInterface | None
+) -> dict[torch.fx.Node, NodePlacement]:
     if forward is None:
         return {}
     inputs = list(graph.find_nodes(op="placeholder"))

@@ -12,6 +12,11 @@ placed where its first consumer starts. So with k = 2::
 and ``C_i(nb1)`` runs while ``S_i+1(nb0)`` computes. Split graph outputs are concatenated
 and partial sums added once at the end, so the graph computes the same function and its
 signature (what AOT autograd saves for the backward) is unchanged.
+
+A search materialises many variants of one graph. Variants with the same k emit the same
+nodes and differ only in their order and in the process group of some collectives, so a
+``NanobatchRewrite`` finds once what no schedule changes (how each node is emitted, the
+tensor metadata of every emitted node) and ``materialise`` only re-emits the order.
 """
 
 from __future__ import annotations
@@ -23,10 +28,12 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 from torch._prims_common import is_non_overlapping_and_dense_or_false
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from kareus.passes.collectives import Collective
-from kareus.passes.ops import facts_of, resize_args
+from kareus.passes.ops import Resize, facts_of
 from kareus.passes.partition import GraphPartitioning, canonical_order
 from kareus.passes.placement import (
     Local,
@@ -74,41 +81,212 @@ def nanobatch_graph(
     """A new GraphModule computing what ``gm`` computes, in ``schedule.nanobatches`` pieces.
 
     ``exclusive(group_name)``: the collective kinds of which that group's backend cannot
-    have two in flight (``comm_groups.exclusive_kinds``); one is waited before the next
-    is issued.
+    have two in flight (``runtime.communicators.exclusive_kinds``); one is waited before the next
+    is issued. To materialise many schedules of one graph, build a ``NanobatchRewrite``.
     """
-    emitter = _Emitter(gm.graph, placements.placements, schedule, exclusive)
-    emitter.emit(partitioning, collectives)
-    new = torch.fx.GraphModule(gm, emitter.graph)
-    fake_mode = torch._guards.detect_fake_mode(example_inputs)
-    if fake_mode is not None:  # Inductor and the cost model read node.meta["val"]
-        with fake_mode:
-            FakeTensorProp(new, mode=fake_mode).propagate_dont_convert_inputs(*example_inputs)
-    else:
-        FakeTensorProp(new).propagate(*example_inputs)
-    return new
+    rewrite = NanobatchRewrite(
+        gm, partitioning, collectives, placements, schedule.nanobatches, example_inputs, exclusive
+    )
+    return rewrite.materialise(schedule)
+
+
+Identity = tuple[object, ...]
+"""What an emitted node is, the same in every schedule: (role, original node, indices)."""
+
+_PROPAGATED = ("val", "tensor_meta")  # what shape propagation writes in node.meta
+
+
+@dataclass(frozen=True)
+class _NodePlan:
+    """What emitting an original node needs that no schedule changes (found once)."""
+
+    placement: NodePlacement
+    split: bool  # runs once per nanobatch
+    meta: dict[str, object]  # copied to its copies: all but what propagation writes
+    sliced: dict[torch.fx.Node, int]  # whole operands sliced per nanobatch, along this dim
+    resize: Resize | None
+    join_early: bool  # a partial sum that whole-batch consumers need: add it once complete
+
+
+@dataclass(frozen=True)
+class _SegmentPlan:
+    """A segment's nodes by how they run; the schedule adds only where its collective goes."""
+
+    collective: Collective | None
+    partition: int | None  # index of its slot and group in a schedule (None: slot 0, own group)
+    replicated: tuple[torch.fx.Node, ...]
+    slots: tuple[tuple[torch.fx.Node, ...], ...]  # split nodes per launch slot, canonical order
+    whole: tuple[torch.fx.Node, ...]
+    collective_split: bool
+
+
+class NanobatchRewrite:
+    """One graph's rewrite into ``k`` nanobatches, materialised for many schedules.
+
+    A search materialises hundreds of variants of one graph. Those with the same ``k``
+    emit the same nodes, in another order and with collectives on other process groups,
+    so all that does not depend on the schedule is found once: per original node how it
+    is emitted (``_NodePlan``), per segment which nodes run how (``_SegmentPlan``), and per
+    emitted node (by its identity) the metadata fake-tensor propagation gives it, which
+    later schedules copy instead of propagating again (only a node not seen before is).
+    """
+
+    def __init__(
+        self,
+        gm: torch.fx.GraphModule,
+        partitioning: GraphPartitioning,
+        collectives: Sequence[Collective],
+        placements: PlacementResult,
+        k: int,
+        example_inputs: Sequence[object],
+        exclusive: Callable[[str], frozenset[str]] = lambda group_name: frozenset(),
+    ):
+        self.gm, self.k, self.exclusive = gm, k, exclusive
+        place = placements.placements
+        self.nodes = {n: _node_plan(n, place) for n in gm.graph.nodes}
+        self.segments = _segment_plans(partitioning, collectives, self.nodes)
+        # Inductor passes fake inputs and reads node.meta["val"] in their mode.
+        fake_mode = torch._guards.detect_fake_mode(example_inputs)
+        self.fake_mode = fake_mode or FakeTensorMode()
+        self.inputs = list(example_inputs) if fake_mode else [
+            self.fake_mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
+            for a in example_inputs
+        ]
+        self.meta: dict[Identity, dict[str, object]] = {}
+
+    def materialise(self, schedule: Schedule) -> torch.fx.GraphModule:
+        """The graph in ``k`` nanobatches under ``schedule``, its nodes' metadata filled in.
+
+        Its Python code is generated when first used (``.code``, a call): a search that
+        only reads the graph never pays for it.
+        """
+        if schedule.nanobatches != self.k:
+            raise ValueError(
+                f"a schedule of {schedule.nanobatches} nanobatches for a rewrite into {self.k}"
+            )
+        emitter = _Emitter(self, schedule)
+        emitter.emit()
+        new = _LazyGraphModule(self.gm, emitter.graph)
+        seen = {}
+        for node, identity in emitter.identity.items():
+            if identity in self.meta:
+                node.meta.update(self.meta[identity])
+                seen[node] = node.meta.get("val")
+        if len(seen) < len(emitter.identity):
+            self._propagate(new, seen)
+            for node, identity in emitter.identity.items():
+                if node not in seen:
+                    self.meta[identity] = {m: node.meta[m] for m in _PROPAGATED if m in node.meta}
+        return new
+
+    def _propagate(self, gm: torch.fx.GraphModule, seen: dict[torch.fx.Node, object]) -> None:
+        """Fake-tensor propagation of the nodes not in ``seen`` (their values)."""
+        env = dict(seen)  # the interpreter adds to it and frees from it
+        with self.fake_mode:
+            FakeTensorProp(gm, mode=self.fake_mode).run(*self.inputs, initial_env=env)
+
+
+def _node_plan(node: torch.fx.Node, place: dict[torch.fx.Node, NodePlacement]) -> _NodePlan:
+    p = place[node]
+    split = per_nanobatch(p)
+    sliced = {}
+    if split:
+        for arg in node.all_input_nodes:
+            dim = _sliced_operand_dim(node, arg, place)
+            if dim is not None:
+                sliced[arg] = dim
+    return _NodePlan(
+        placement=p,
+        split=split,
+        meta={m: v for m, v in node.meta.items() if m not in _PROPAGATED},
+        sliced=sliced,
+        resize=facts_of(node).resize,
+        join_early=isinstance(p, Partial)
+        and any(u.op == "output" or not per_nanobatch(place[u]) for u in node.users),
+    )
+
+
+def _sliced_operand_dim(
+    node: torch.fx.Node, arg: torch.fx.Node, place: dict[torch.fx.Node, NodePlacement]
+) -> int | None:
+    """The dim along which split ``node`` slices whole operand ``arg`` per nanobatch: the
+    op pairs it element by element with its split operands (an elementwise op's operand
+    spanning the split dim, a per-sample attention mask). None: used as is."""
+    p = place[node]
+    if not isinstance(place[arg], (Replicate, Whole)):
+        return None
+    facts = facts_of(node)
+    if facts.pointwise and isinstance(p, Split):
+        dim = sliced_dim(arg, p, len(_shape(node)))
+        return None if dim == -1 else dim
+    if not facts.aligned_operands:
+        return None
+    outs = p if isinstance(p, tuple) else (p,)
+    split = next((q for q in outs if isinstance(q, Split)), None)
+    aligned = [arguments(node).get(name) for name in facts.aligned_operands]
+    if split is None or arg not in aligned:
+        return None
+    out_ndim = len(_shape(node)) if isinstance(p, Split) else len(node.meta["val"][0].shape)
+    if len(_shape(arg)) != out_ndim:
+        return None
+    return split.dim if _shape(arg)[split.dim] != 1 else None
+
+
+def _segment_plans(
+    partitioning: GraphPartitioning,
+    collectives: Sequence[Collective],
+    nodes: dict[torch.fx.Node, _NodePlan],
+) -> tuple[_SegmentPlan, ...]:
+    partition_of = {p.collective.node: p for p in partitioning.partitions}
+    plans = []
+    for index, segment in enumerate(partitioning.segments):
+        coll = collectives[index] if index < len(collectives) else None
+        part = partition_of.get(coll.node) if coll else None
+        order = list(part.nodes) if part else canonical_order(segment)
+        split = [n for n in order if nodes[n].split]
+        slots = [set(s.nodes) for s in part.slots] if part else [{n.name for n in order}]
+        plans.append(
+            _SegmentPlan(
+                collective=coll,
+                partition=part.index if part else None,
+                replicated=tuple(n for n in order if isinstance(nodes[n].placement, Replicate)),
+                slots=tuple(tuple(n for n in split if n.name in names) for names in slots),
+                whole=tuple(n for n in order if isinstance(nodes[n].placement, Whole)),
+                collective_split=coll is not None and nodes[coll.node].split,
+            )
+        )
+    return tuple(plans)
 
 
 class _Emitter:
-    def __init__(
-        self,
-        graph: torch.fx.Graph,
-        placements: dict[torch.fx.Node, NodePlacement],
-        schedule: Schedule,
-        exclusive: Callable[[str], frozenset[str]],
-    ):
-        self.old = graph
-        self.exclusive = exclusive
-        self.in_flight: dict[str, list[tuple[Collective, int]]] = {}
-        self.graph = torch.fx.Graph()
-        self.placements = placements
+    """Emits one schedule of a ``NanobatchRewrite``; ``identity`` names every node it emits."""
+
+    def __init__(self, rewrite: NanobatchRewrite, schedule: Schedule):
+        self.rewrite = rewrite
+        self.nodes = rewrite.nodes
         self.k = schedule.nanobatches
         self.schedule = schedule
+        self.graph = torch.fx.Graph()
+        self.in_flight: dict[str, list[tuple[Collective, int]]] = {}
         self.once: dict[torch.fx.Node, torch.fx.Node] = {}
         self.pieces: dict[torch.fx.Node, list[torch.fx.Node | None]] = {}
         self.joined: dict[torch.fx.Node, torch.fx.Node] = {}
         self.deferred_waits: set[tuple[torch.fx.Node, int]] = set()
         self.slices: dict[tuple[torch.fx.Node, int], list[torch.fx.Node]] = {}
+        self.identity: dict[torch.fx.Node, Identity] = {}
+
+    def _record(self, new: torch.fx.Node, identity: Identity) -> torch.fx.Node:
+        self.identity[new] = identity
+        return new
+
+    def _call(
+        self,
+        target: Callable[..., object],
+        args: tuple,
+        identity: Identity,
+        kwargs: dict[str, object] | None = None,
+    ) -> torch.fx.Node:
+        return self._record(_create(self.graph, "call_function", target, args, kwargs), identity)
 
     # -- values -----------------------------------------------------------------------
 
@@ -118,7 +296,7 @@ class _Emitter:
         Emission is demand-driven: a value needed before its place in the schedule (a
         barrier's inputs, a collective waited early) is emitted where it is first needed.
         """
-        if not per_nanobatch(self.placements[node]):
+        if not self.nodes[node].split:
             return self.whole(node)
         if (node, j) in self.deferred_waits:
             self.deferred_waits.discard((node, j))
@@ -130,7 +308,7 @@ class _Emitter:
         """The whole-batch value of ``node``: joining its pieces if it was split."""
         if node in self.once:
             return self.once[node]
-        if not per_nanobatch(self.placements[node]):
+        if not self.nodes[node].split:
             self.once[node] = self._copy_once(node)
             return self.once[node]
         if node not in self.joined:
@@ -138,13 +316,12 @@ class _Emitter:
         return self.joined[node]
 
     def _join(self, node: torch.fx.Node) -> torch.fx.Node:
-        p = self.placements[node]
+        p = self.nodes[node].placement
         pieces = [self.piece(node, j) for j in range(self.k)]
-        call = self.graph.call_function
         if isinstance(p, Partial):
             total = pieces[0]
-            for other in pieces[1:]:
-                total = call(aten.add.Tensor, (total, other))
+            for j, other in enumerate(pieces[1:], 1):
+                total = self._call(aten.add.Tensor, (total, other), ("sum", node, j))
             return total
         if isinstance(p, Local):
             # Only attention seeds are local; the rules refuse dropout, so they are unused.
@@ -153,7 +330,9 @@ class _Emitter:
             return self._concatenate(node, p, pieces)
         raise CannotRewrite(f"{node.name} ({p}) cannot be joined into a whole value")
 
-    def _concatenate(self, node: torch.fx.Node, p: Split, pieces: list[torch.fx.Node]) -> torch.fx.Node:
+    def _concatenate(
+        self, node: torch.fx.Node, p: Split, pieces: list[torch.fx.Node]
+    ) -> torch.fx.Node:
         """Join split pieces in the memory layout of the original value.
 
         Consumers may view the value (an attention output is a transposed view of a
@@ -165,70 +344,63 @@ class _Emitter:
         outermost, so every dim with a stride keeps its relative order and the innermost
         one stays innermost.
         """
-        call = self.graph.call_function
+        call = self._call
         val = node.meta["val"]
         order = join_order(val)
         if order != list(range(val.ndim)):
-            pieces = [call(aten.permute.default, (x, order)) for x in pieces]
+            pieces = [
+                call(aten.permute.default, (x, order), ("permute", node, j))
+                for j, x in enumerate(pieces)
+            ]
         dim = order.index(p.dim)
         if p.blocks > 1:
             chunk = val.shape[p.dim] // (p.blocks * self.k)
-            parts = [
-                [call(_getitem, (call(aten.split.Tensor, (x, chunk, dim)), b)) for b in range(p.blocks)]
-                for x in pieces
-            ]
+
+            def block(j: int, b: int) -> torch.fx.Node:
+                blocks = call(aten.split.Tensor, (pieces[j], chunk, dim), ("blocks", node, j, b))
+                return call(_getitem, (blocks, b), ("block", node, j, b))
+
+            parts = [[block(j, b) for b in range(p.blocks)] for j in range(self.k)]
             pieces = [parts[j][b] for b in range(p.blocks) for j in range(self.k)]
-        joined = call(aten.cat.default, (pieces, dim))
+        joined = call(aten.cat.default, (pieces, dim), ("cat", node))
         if order != list(range(val.ndim)):
-            joined = call(aten.permute.default, (joined, [order.index(d) for d in range(val.ndim)]))
+            back = [order.index(d) for d in range(val.ndim)]
+            joined = call(aten.permute.default, (joined, back), ("unpermute", node))
         return joined
 
     # -- emission ---------------------------------------------------------------------
 
-    def emit(self, partitioning: GraphPartitioning, collectives: Sequence[Collective]) -> None:
-        for node in self.old.find_nodes(op="placeholder"):
+    def emit(self) -> None:
+        graph = self.rewrite.gm.graph
+        for node in graph.find_nodes(op="placeholder"):
             self._placeholder(node)
-        for node in self.old.find_nodes(op="get_attr"):
-            self.once[node] = self.graph.node_copy(node, lambda a: self.whole(a))
-        partition_of = {p.collective.node: p for p in partitioning.partitions}
-        for index, segment in enumerate(partitioning.segments):
-            coll = collectives[index] if index < len(collectives) else None
-            part = partition_of.get(coll.node) if coll else None
-            order = list(part.nodes) if part else canonical_order(segment)
-            groups = [set(s.nodes) for s in part.slots] if part else [set(n.name for n in order)]
-            slot = self.schedule.slots[part.index] if part else 0
-            group_name = self.schedule.groups[part.index] if part else None
-            self._segment(order, groups, coll, slot, group_name)
-        self._output(next(iter(self.old.find_nodes(op="output"))))
+        for node in graph.find_nodes(op="get_attr"):
+            self.once[node] = self._copy_once(node)
+        for segment in self.rewrite.segments:
+            self._segment(segment)
+        self._output(next(iter(graph.find_nodes(op="output"))))
 
-    def _segment(
-        self,
-        order: list[torch.fx.Node],
-        groups: list[set[str]],
-        coll: Collective | None,
-        slot: int,
-        group_name: str | None,
-    ) -> None:
-        split = [n for n in order if per_nanobatch(self.placements[n])]
-        for n in order:
-            if isinstance(self.placements[n], Replicate):
-                self.whole(n)
-        coll_split = coll is not None and per_nanobatch(self.placements[coll.node])
+    def _segment(self, segment: _SegmentPlan) -> None:
+        index = segment.partition
+        slot = 0 if index is None else self.schedule.slots[index]
+        group_name = None if index is None else self.schedule.groups[index]
+        for n in segment.replicated:
+            self.whole(n)
+        coll = segment.collective
+        issues = segment.collective_split
         for j in range(self.k):
-            for g, names in enumerate(groups):
-                if coll_split and j >= 1 and g == slot:
+            for g, nodes in enumerate(segment.slots):
+                if issues and j >= 1 and g == slot:
                     self._issue(coll, j - 1, group_name)
-                for n in split:
-                    if n.name in names:
-                        self.piece(n, j)
-            if coll_split and j >= 1 and slot >= len(groups):
+                for n in nodes:
+                    self.piece(n, j)
+            if issues and j >= 1 and slot >= len(segment.slots):
                 self._issue(coll, j - 1, group_name)
-        if coll_split:
+        if issues:
             self._issue(coll, self.k - 1, group_name)
-        for n in order:
-            if isinstance(self.placements[n], Whole):
-                self.whole(n)
-        if coll is not None and not coll_split:
+        for n in segment.whole:
+            self.whole(n)
+        if coll is not None and not issues:
             self.whole(coll.node)
             for w in coll.waits:
                 self._wait_once(w)
@@ -244,7 +416,7 @@ class _Emitter:
         if self.pieces.get(coll.node, [None] * self.k)[j] is not None:
             return  # a consumer needed it earlier (see ``piece``)
         group = group_name or coll.group_name
-        if coll.kind in self.exclusive(group):
+        if coll.kind in self.rewrite.exclusive(group):
             for earlier, i in self.in_flight.pop(group, []):
                 for w in earlier.waits:
                     self.piece(w, i)
@@ -255,9 +427,9 @@ class _Emitter:
             self.deferred_waits.add((w, j))
 
     def _placeholder(self, node: torch.fx.Node) -> None:
-        new = self.graph.node_copy(node)
+        new = self._record(self.graph.node_copy(node), ("once", node))
         self.once[node] = new
-        p = self.placements[node]
+        p = self.nodes[node].placement
         if isinstance(p, Split):
             size = _shape(node)[p.dim] // self.k
             base = new
@@ -265,108 +437,76 @@ class _Emitter:
                 # Inductor (2.12-2.14) misses that a slice of a padded input overlaps the
                 # input and may reinplace a later write into the caller's tensor: slice a
                 # dense copy instead (only of such inputs: permuted dense ones are fine).
-                base = self.graph.call_function(
-                    aten.clone.default, (new,), {"memory_format": torch.contiguous_format}
+                base = self._call(
+                    aten.clone.default, (new,), ("dense", node),
+                    {"memory_format": torch.contiguous_format},
                 )
             self.pieces[node] = [
-                self.graph.call_function(aten.slice.Tensor, (base, p.dim, j * size, (j + 1) * size))
+                self._call(
+                    aten.slice.Tensor, (base, p.dim, j * size, (j + 1) * size), ("input", node, j)
+                )
                 for j in range(self.k)
             ]
 
     def _copy_once(self, node: torch.fx.Node) -> torch.fx.Node:
-        return self.graph.node_copy(node, self.whole)
+        return self._record(self.graph.node_copy(node, self.whole), ("once", node))
 
     def _copy(self, node: torch.fx.Node, j: int, group_name: str | None = None) -> torch.fx.Node:
-        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: self._operand(node, a, j))
-        args = resize_args(node, args, self.placements[node], self.k)
+        plan = self.nodes[node]
+        args, kwargs = torch.fx.node.map_arg(
+            (node.args, node.kwargs), lambda a: self._operand(plan, a, j)
+        )
+        if plan.resize is not None:
+            args = plan.resize(node, args, plan.placement, self.k)
         if group_name is not None:
             args = with_group(node, args, group_name)
-        new = self.graph.create_node(node.op, node.target, args, kwargs)
-        new.meta.update({k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")})
+        new = _create(self.graph, node.op, node.target, args, kwargs)
+        self._record(new, ("piece", node, j))
+        new.meta.update(plan.meta)
         self.pieces.setdefault(node, [None] * self.k)[j] = new
-        if j == self.k - 1 and isinstance(self.placements[node], Partial) and self._needed_whole(node):
+        if j == self.k - 1 and plan.join_early:
             # Add the contributions as soon as they all exist, so that k copies of a
             # weight gradient are not all kept until the end of the graph.
             self.whole(node)
         return new
 
-    def _operand(self, node: torch.fx.Node, arg: torch.fx.Node, j: int) -> torch.fx.Node:
-        """Nanobatch ``j``'s operand; a whole-batch operand that the op pairs element by
-        element with its split operands (an elementwise op's operand spanning the split
-        dim, a per-sample attention mask) is sliced like them."""
-        dim = self._sliced_operand_dim(node, arg)
-        if dim is not None:
-            key = (arg, dim)
-            if key not in self.slices:
-                whole = self.whole(arg)
-                size = _shape(arg)[dim] // self.k
-                self.slices[key] = [
-                    self.graph.call_function(aten.slice.Tensor, (whole, dim, i * size, (i + 1) * size))
-                    for i in range(self.k)
-                ]
-            return self.slices[key][j]
-        return self.piece(arg, j)
-
-    def _sliced_operand_dim(self, node: torch.fx.Node, arg: torch.fx.Node) -> int | None:
-        p = self.placements[node]
-        if not isinstance(self.placements[arg], (Replicate, Whole)) or not per_nanobatch(p):
-            return None
-        facts = facts_of(node)
-        if facts.pointwise and isinstance(p, Split):
-            dim = sliced_dim(arg, p, len(_shape(node)))
-            return None if dim == -1 else dim
-        if not facts.aligned_operands:
-            return None
-        outs = p if isinstance(p, tuple) else (p,)
-        split = next((q for q in outs if isinstance(q, Split)), None)
-        aligned = [arguments(node).get(name) for name in facts.aligned_operands]
-        if split is None or arg not in aligned:
-            return None
-        out_ndim = len(_shape(node)) if isinstance(p, Split) else len(node.meta["val"][0].shape)
-        if len(_shape(arg)) != out_ndim:
-            return None
-        return split.dim if _shape(arg)[split.dim] != 1 else None
-
-    def _needed_whole(self, node: torch.fx.Node) -> bool:
-        return any(u.op == "output" or not per_nanobatch(self.placements[u]) for u in node.users)
+    def _operand(self, plan: _NodePlan, arg: torch.fx.Node, j: int) -> torch.fx.Node:
+        """Nanobatch ``j``'s operand: sliced where the op pairs a whole one element by
+        element with its split operands (``_sliced_operand_dim``)."""
+        dim = plan.sliced.get(arg)
+        if dim is None:
+            return self.piece(arg, j)
+        key = (arg, dim)
+        if key not in self.slices:
+            whole = self.whole(arg)
+            size = _shape(arg)[dim] // self.k
+            self.slices[key] = [
+                self._call(
+                    aten.slice.Tensor, (whole, dim, i * size, (i + 1) * size), ("slice", *key, i)
+                )
+                for i in range(self.k)
+            ]
+        return self.slices[key][j]
 
     def _output(self, node: torch.fx.Node) -> None:
-        self.graph.output(torch.fx.node.map_arg(node.args[0], self.whole))
-
-
-def feasibility(
-    graph: torch.fx.Graph, result: PlacementResult, k: int, collectives: Sequence[Collective]
-) -> str | None:
-    """Why ``k`` nanobatches cannot apply to ``graph`` (None when they can)."""
-    split_inputs = [
-        n for n in graph.find_nodes(op="placeholder") if isinstance(result.placements[n], Split)
-    ]
-    if not split_inputs:
-        return "no graph input is split along a batch dim"
-    for node, p in result.placements.items():
-        for q in p if isinstance(p, tuple) else (p,):
-            if isinstance(q, Split) and node.op != "output":
-                size = _value_shape(node, p, q)
-                if size is not None and size % (k * q.blocks):
-                    return (
-                        f"{node.name}: dim {q.dim} of size {size} does not divide into {k} "
-                        f"nanobatches{f' x {q.blocks} blocks' if q.blocks > 1 else ''}"
-                    )
-    if not any(per_nanobatch(result.placements[c.node]) for c in collectives):
-        first = result.barriers[0] if result.barriers else None
-        why = f" (the split region ends at {first.node}: {first.reason})" if first else ""
-        return f"no collective stays split, so nothing could overlap{why}"
-    return None
-
-
-def _value_shape(node: torch.fx.Node, p: NodePlacement, q: Split) -> int | None:
-    val = node.meta.get("val")
-    if isinstance(p, tuple):
-        val = val[p.index(q)] if isinstance(val, (list, tuple)) else None
-    return int(val.shape[q.dim]) if isinstance(val, torch.Tensor) else None
+        output = self.graph.output(torch.fx.node.map_arg(node.args[0], self.whole))
+        self._record(output, ("output",))
 
 
 _getitem = operator.getitem
+
+
+def _create(
+    graph: torch.fx.Graph, op: str, target: object, args: tuple, kwargs: dict[str, object] | None
+) -> torch.fx.Node:
+    """``graph.create_node`` without its walk over the arguments in search of raw SymInts
+    (torch 2.13; a third of the time to emit a variant): kareus splits only graphs of
+    static shapes, whose arguments hold none, so they are set after the node is made."""
+    node = graph.create_node(op, target)
+    node.args = args
+    if kwargs:
+        node.kwargs = kwargs
+    return node
 
 
 def _shape(node: torch.fx.Node) -> tuple[int, ...]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import itertools
 import math
 import operator
 from collections.abc import Callable, Sequence
@@ -146,7 +147,7 @@ def _in_flight_notes(collectives: Sequence[Collective]) -> list[str]:
     """Collectives issued before the previous one was waited: they already overlap each other."""
     notes = []
     order = {n: i for i, n in enumerate(collectives[0].node.graph.nodes)} if collectives else {}
-    for prev, cur in zip(collectives, collectives[1:]):
+    for prev, cur in itertools.pairwise(collectives):
         if prev.waits and order[cur.node] < min(order[w] for w in prev.waits):
             notes.append(
                 f"{cur.name} is issued while {prev.name} is still in flight; "
@@ -189,7 +190,8 @@ def _slot_label(kind: str, nodes: Sequence[torch.fx.Node]) -> str:
     name = heavy.target.overloadpacket.__name__
     if kind == "matmul":
         return name.strip("_")
-    return {"attention": "attn", "convolution": "conv"}[kind] + ("-bwd" if "backward" in name else "")
+    suffix = "-bwd" if "backward" in name else ""
+    return {"attention": "attn", "convolution": "conv"}[kind] + suffix
 
 
 def canonical_order(segment: Sequence[torch.fx.Node]) -> list[torch.fx.Node]:
@@ -256,7 +258,9 @@ def graph_hash(graph: torch.fx.Graph, *, shapes: bool = True) -> str:
     return hashlib.sha1(repr(parts).encode()).hexdigest()[:16]
 
 
-_SCALAR_IDENTITY_OPS = frozenset([aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor])
+_SCALAR_IDENTITY_OPS = frozenset(
+    [aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor]
+)
 
 
 def _key_transparent(node: torch.fx.Node) -> bool:
@@ -312,7 +316,9 @@ def _token(
             return type(arg).__name__
         return repr(arg)
 
-    return (str(node.target), describe(node.args), describe(node.kwargs), (sig or _tensor_sig)(node))
+    return (
+        str(node.target), describe(node.args), describe(node.kwargs), (sig or _tensor_sig)(node)
+    )
 
 
 def structural_key(ordered: Sequence[torch.fx.Node], coll: Collective) -> str:

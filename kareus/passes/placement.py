@@ -14,24 +14,27 @@ Placements (DESIGN.md section 3), propagated through the graph from its inputs:
   usable by the same nanobatch only.
 - ``Whole(reason)``: computed once from the whole batch. An op without a rule, or whose
   inputs a rule cannot keep split, becomes such a barrier: its split inputs are joined
-  (concatenated, or summed) first, so the result is always right, and ``reason`` says
-  why the split region ended there.
+  (concatenated, or summed) first, so the result is always right, and ``reason`` (a
+  ``Reason``) says why the split region ended there.
 
-A rule (one per op, found in ``ops.OP_TABLE``) returns a placement or a string saying why
-it cannot split. Rules cover the ops of the post-AOT graphs of Llama-family models as
-torchtitan and Hugging Face write them, under tensor, sequence and loss parallelism.
+A rule (one per op, found in ``ops.OP_TABLE``) returns a placement or a ``Reason`` saying
+why it cannot split, of a kind that reports and tests group by. Rules cover the ops of the
+post-AOT graphs of Llama-family models as torchtitan and Hugging Face write them, under
+tensor, sequence and loss parallelism.
 """
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
 import torch.fx
 
+from kareus.passes.reasons import Reason, ReasonKind
 from kareus.passes.schema import arguments
 
 aten = torch.ops.aten
@@ -60,7 +63,7 @@ class Local:
 
 @dataclass(frozen=True)
 class Whole:
-    reason: str
+    reason: Reason
 
 
 Placement = Split | Replicate | Partial | Local | Whole
@@ -79,17 +82,9 @@ def per_nanobatch(p: NodePlacement) -> bool:
 
 
 @dataclass(frozen=True)
-class Barrier:
-    """Where a split region ended, and why."""
-
-    node: str
-    reason: str
-
-
-@dataclass(frozen=True)
 class PlacementResult:
     placements: dict[torch.fx.Node, NodePlacement]
-    barriers: tuple[Barrier, ...]
+    barriers: tuple[Reason, ...]  # where split regions end, and why (``node`` always set)
 
 
 class RuleContext:
@@ -119,7 +114,7 @@ class RuleContext:
         return self.node.meta.get("val")
 
 
-Rule = Callable[[RuleContext], "NodePlacement | str"]
+Rule = Callable[[RuleContext], "NodePlacement | Reason"]
 
 
 class RuleTable(Protocol):
@@ -136,7 +131,7 @@ def propagate(
 ) -> PlacementResult:
     """Placements of every node given those of the placeholders (missing: replicated)."""
     placements: dict[torch.fx.Node, NodePlacement] = {}
-    barriers: list[Barrier] = []
+    barriers: list[Reason] = []
     for node in graph.nodes:
         if node.op == "placeholder":
             placements[node] = inputs.get(node, REPLICATE)
@@ -151,7 +146,7 @@ def _place(
     node: torch.fx.Node,
     k: int,
     placements: dict[torch.fx.Node, NodePlacement],
-    barriers: list[Barrier],
+    barriers: list[Reason],
     table: RuleTable,
 ) -> NodePlacement:
     ins = [placements[i] for i in node.all_input_nodes]
@@ -166,14 +161,31 @@ def _place(
         return next(p for p in flat if isinstance(p, Whole))
     rule = table.rule(node.target)
     result = (
-        rule(RuleContext(node, k, placements)) if rule else f"no placement rule for {node.target}"
+        rule(RuleContext(node, k, placements))
+        if rule
+        else Reason(ReasonKind.NO_RULE, None, f"no placement rule for {node.target}")
     )
-    if isinstance(result, str):
-        if any(isinstance(p, Local) for p in flat):
-            result += "; it consumes a per-nanobatch value that cannot be joined"
-        barriers.append(Barrier(node.name, result))
-        return Whole(f"{node.name}: {result}")
-    return result
+    if not isinstance(result, Reason):
+        return result
+    detail = result.detail
+    if result.kind is not ReasonKind.PER_NANOBATCH_VALUE and any(
+        isinstance(p, Local) for p in flat
+    ):
+        # Joining keeps one nanobatch's copy of such a value: say so, whatever the kind.
+        detail += "; it consumes a per-nanobatch value that cannot be joined"
+    reason = replace(result, node=node.name, detail=detail)
+    barriers.append(reason)
+    return Whole(reason)
+
+
+# Why a rule cannot split, by kind; ``_place`` names the node.
+_along_split_dim = functools.partial(Reason, ReasonKind.ALONG_SPLIT_DIM, None)
+_operands_split_apart = functools.partial(Reason, ReasonKind.OPERANDS_SPLIT_APART, None)
+_batch_varying_operand = functools.partial(Reason, ReasonKind.BATCH_VARYING_OPERAND, None)
+_partial_sum = functools.partial(Reason, ReasonKind.PARTIAL_SUM, None)
+_random = functools.partial(Reason, ReasonKind.RANDOM, None)
+_per_nanobatch_value = functools.partial(Reason, ReasonKind.PER_NANOBATCH_VALUE, None)
+_unsupported_form = functools.partial(Reason, ReasonKind.UNSUPPORTED_FORM, None)
 
 
 def _norm(dim: int, ndim: int) -> int:
@@ -196,11 +208,13 @@ def _input(ctx: RuleContext) -> NodePlacement:
 # -- elementwise --------------------------------------------------------------------------
 
 
-def random_op(ctx: RuleContext) -> str:
-    return "random op: splitting it would change the random stream, so it runs on the whole batch"
+def random_op(ctx: RuleContext) -> Reason:
+    return _random(
+        "random op: splitting it would change the random stream, so it runs on the whole batch"
+    )
 
 
-def pointwise(ctx: RuleContext) -> NodePlacement | str:
+def pointwise(ctx: RuleContext) -> NodePlacement | Reason:
     """Elementwise ops with broadcasting: every split input must land on one output dim."""
     out_ndim = len(_shape(ctx.out))
     tensors = list(ctx.node.all_input_nodes)
@@ -213,16 +227,20 @@ def pointwise(ctx: RuleContext) -> NodePlacement | str:
         elif isinstance(p, Partial):
             partial.append(a)
         elif isinstance(p, Local):
-            return "per-nanobatch value in an elementwise op"
+            return _per_nanobatch_value("per-nanobatch value in an elementwise op")
     if partial:
         return _linear_partial(ctx, partial, bool(splits))
     placements = set(splits.values())
     if len(placements) != 1:
-        return f"elementwise inputs split along different dims ({sorted(placements, key=str)})"
+        return _operands_split_apart(
+            f"elementwise inputs split along different dims ({sorted(placements, key=str)})"
+        )
     (split,) = placements
     for a in tensors:
         if a not in splits and sliced_dim(a, split, out_ndim) is None:
-            return f"{a.name} is replicated but not broadcast along the split dim"
+            return _batch_varying_operand(
+                f"{a.name} is replicated but not broadcast along the split dim"
+            )
     return split
 
 
@@ -255,38 +273,38 @@ _LINEAR = {
 
 def _linear_partial(
     ctx: RuleContext, partial: list[torch.fx.Node], has_split: bool
-) -> NodePlacement | str:
+) -> NodePlacement | Reason:
     """Sums survive linear maps: p1 + p2, -p, p * r, p / r (r replicated)."""
     target = ctx.node.target
     if has_split or target not in _LINEAR:
-        return f"{target} is not linear in a partial sum"
+        return _partial_sum(f"{target} is not linear in a partial sum")
     if target in (aten.add.Tensor, aten.sub.Tensor):
         operands = ctx.node.args[:2]
         both = all(isinstance(a, torch.fx.Node) and a in partial for a in operands)
-        return PARTIAL if both else "partial sum plus a replicated value"
+        return PARTIAL if both else _partial_sum("partial sum plus a replicated value")
     if len(partial) > 1 or (target is aten.div.Tensor and ctx.node.args[0] is not partial[0]):
-        return "product of partial sums"
+        return _partial_sum("product of partial sums")
     return PARTIAL
 
 
 # -- identity-like --------------------------------------------------------------------
 
 
-def same(ctx: RuleContext) -> NodePlacement | str:
+def same(ctx: RuleContext) -> NodePlacement | Reason:
     return _input(ctx)
 
 
 # -- views and shape changes ----------------------------------------------------------
 
 
-def view(ctx: RuleContext) -> NodePlacement | str:
+def view(ctx: RuleContext) -> NodePlacement | Reason:
     p = _input(ctx)
     if not isinstance(p, Split):
         return _replicate_or_partial(p)
     return _reshaped(p, _shape_of(ctx.arg("input")), _shape(ctx.out), ctx.k)
 
 
-def _reshaped(p: Split, src: Sequence[int], dst: Sequence[int], k: int) -> Split | str:
+def _reshaped(p: Split, src: Sequence[int], dst: Sequence[int], k: int) -> Split | Reason:
     """Follow the split dim through a reshape, group by group of dims with equal products.
 
     Chunk ``i`` of the split dim is a contiguous chunk of its group only if the dims
@@ -309,35 +327,49 @@ def _reshaped(p: Split, src: Sequence[int], dst: Sequence[int], k: int) -> Split
                 b *= dst[j]
         if p.dim in gi:
             if any(src[d] != 1 for d in gi[: gi.index(p.dim)]):
-                return "reshape merges the split dim into a dim it is not the outer part of"
+                return _along_split_dim(
+                    "reshape merges the split dim into a dim it is not the outer part of"
+                )
             lead = next((d for d in gj if d < len(dst) and dst[d] != 1), None)
             if (
                 lead is None
                 or dst[lead] % (k * p.blocks)
                 or (p.blocks > 1 and dst[lead] != src[p.dim])
             ):
-                return "reshape splits the split dim in a way nanobatches cannot follow"
+                return _along_split_dim(
+                    "reshape splits the split dim in a way nanobatches cannot follow"
+                )
             return Split(lead, p.blocks)
         i, j = gi[-1] + 1, gj[-1] + 1
     raise AssertionError(f"split dim {p.dim} outside a reshape of {src} to {dst}")
 
 
-def _replicate_or_partial(p: NodePlacement) -> NodePlacement | str:
+def _replicate_or_partial(p: NodePlacement) -> NodePlacement | Reason:
     if isinstance(p, (Partial, Replicate)):
         return p  # a view of a sum is the sum of the views
-    return f"cannot follow a {type(p).__name__} placement"
+    return _per_nanobatch_value(f"cannot follow a {type(p).__name__} placement")
 
 
-def expand(ctx: RuleContext) -> NodePlacement | str:
+def _unsplit(p: NodePlacement, op: str) -> NodePlacement | Reason:
+    """An unsplit input of an op that does not keep partial sums (it is not linear, or
+    its rule does not follow them): replicated values stay replicated."""
+    if isinstance(p, Partial):
+        return _partial_sum(f"{op} of a partial sum")
+    return _replicate_or_partial(p)
+
+
+def expand(ctx: RuleContext) -> NodePlacement | Reason:
     p = _input(ctx)
     if not isinstance(p, Split):
         return _replicate_or_partial(p)
     src, dst = _shape_of(ctx.arg("input")), _shape(ctx.out)
     dim = p.dim + len(dst) - len(src)
-    return Split(dim, p.blocks) if dst[dim] == src[p.dim] else "expand broadcasts the split dim"
+    if dst[dim] != src[p.dim]:
+        return _along_split_dim("expand broadcasts the split dim")
+    return Split(dim, p.blocks)
 
 
-def permute(ctx: RuleContext) -> NodePlacement | str:
+def permute(ctx: RuleContext) -> NodePlacement | Reason:
     p = _input(ctx)
     if not isinstance(p, Split):
         return _replicate_or_partial(p)
@@ -346,7 +378,7 @@ def permute(ctx: RuleContext) -> NodePlacement | str:
     return Split(dims.index(p.dim), p.blocks)
 
 
-def transpose(ctx: RuleContext) -> NodePlacement | str:
+def transpose(ctx: RuleContext) -> NodePlacement | Reason:
     p = _input(ctx)
     if not isinstance(p, Split):
         return _replicate_or_partial(p)
@@ -358,7 +390,7 @@ def transpose(ctx: RuleContext) -> NodePlacement | str:
     return Split({a: b, b: a}.get(p.dim, p.dim), p.blocks)
 
 
-def unsqueeze(ctx: RuleContext) -> NodePlacement | str:
+def unsqueeze(ctx: RuleContext) -> NodePlacement | Reason:
     p = _input(ctx)
     if not isinstance(p, Split):
         return _replicate_or_partial(p)
@@ -366,7 +398,7 @@ def unsqueeze(ctx: RuleContext) -> NodePlacement | str:
     return Split(p.dim + (dim <= p.dim), p.blocks)
 
 
-def squeeze(ctx: RuleContext) -> NodePlacement | str:
+def squeeze(ctx: RuleContext) -> NodePlacement | Reason:
     p = _input(ctx)
     if not isinstance(p, Split):
         return _replicate_or_partial(p)
@@ -375,37 +407,37 @@ def squeeze(ctx: RuleContext) -> NodePlacement | str:
     dims = range(len(src)) if dims is None else ([dims] if isinstance(dims, int) else dims)
     removed = [d for d in (_norm(d, len(src)) for d in dims) if src[d] == 1]
     if p.dim in removed:
-        return "squeeze removes the split dim"
+        return _along_split_dim("squeeze removes the split dim")
     return Split(p.dim - sum(d < p.dim for d in removed), p.blocks)
 
 
-def view_as_complex(ctx: RuleContext) -> NodePlacement | str:
+def view_as_complex(ctx: RuleContext) -> NodePlacement | Reason:
     """(..., 2) reals as complex numbers (Llama 3's RoPE): every dim but the last stays."""
     p = _input(ctx)
     if not isinstance(p, Split):
         return _replicate_or_partial(p)
     if p.dim == len(_shape_of(ctx.arg("input"))) - 1:
-        return "view_as_complex of a split real/imaginary dim"
+        return _along_split_dim("view_as_complex of a split real/imaginary dim")
     return p
 
 
-def view_as_real(ctx: RuleContext) -> NodePlacement | str:
+def view_as_real(ctx: RuleContext) -> NodePlacement | Reason:
     p = _input(ctx)
     return p if isinstance(p, Split) else _replicate_or_partial(p)
 
 
-def slice_(ctx: RuleContext) -> NodePlacement | str:
+def slice_(ctx: RuleContext) -> NodePlacement | Reason:
     p = _input(ctx)
     if not isinstance(p, Split):
         return _replicate_or_partial(p)
     src = _shape_of(ctx.arg("input"))
     dim = _norm(ctx.arg("dim", 0), len(src))
     if dim == p.dim and _shape(ctx.out) != src:
-        return "slice along the split dim"
+        return _along_split_dim("slice along the split dim")
     return p
 
 
-def scatter_into(ctx: RuleContext) -> NodePlacement | str:
+def scatter_into(ctx: RuleContext) -> NodePlacement | Reason:
     """slice_scatter / select_scatter (backward of a slice or select): writes ``src`` into
     ``input`` along ``dim``. The output is split like ``src`` (along another dim); a
     replicated ``input`` (zeros, mostly) is sliced like it (``OpFacts.aligned_operands``)."""
@@ -413,38 +445,32 @@ def scatter_into(ctx: RuleContext) -> NodePlacement | str:
     ndim = len(_shape(ctx.out))
     dim = _norm(ctx.arg("dim", 0), ndim)
     if not isinstance(src, Split) or src.blocks != 1:
-        return "scatter of an unsplit source"
+        return _unsupported_form("scatter of an unsplit source")
     lacks_dim = len(_shape_of(ctx.arg("src"))) < ndim  # select_scatter's src has no ``dim``
     out = Split(src.dim + (lacks_dim and src.dim >= dim))
     if out.dim == dim:
-        return "scatter along the split dim"
+        return _along_split_dim("scatter along the split dim")
     base = ctx.pl(ctx.arg("input"))
-    return (
-        out
-        if base == out or isinstance(base, Replicate)
-        else "scatter into a value split otherwise"
-    )
+    if base != out and not isinstance(base, Replicate):
+        return _operands_split_apart("scatter into a value split otherwise")
+    return out
 
 
-def select(ctx: RuleContext) -> NodePlacement | str:
+def select(ctx: RuleContext) -> NodePlacement | Reason:
     p = _input(ctx)
     if not isinstance(p, Split):
         return _replicate_or_partial(p)
     dim = _norm(ctx.arg("dim"), len(_shape_of(ctx.arg("input"))))
     if dim == p.dim:
-        return "select along the split dim"
+        return _along_split_dim("select along the split dim")
     return Split(p.dim - (dim < p.dim), p.blocks)
 
 
-def split(ctx: RuleContext) -> NodePlacement | str:
+def split(ctx: RuleContext) -> NodePlacement | Reason:
     p = _input(ctx)
     n = len(ctx.out)
     if not isinstance(p, Split):
-        return (
-            _replicate_or_partial(p)
-            if isinstance(p, (Partial, Replicate))
-            else "cannot split this value"
-        )
+        return _replicate_or_partial(p)
     src = _shape_of(ctx.arg("input"))
     dim = _norm(ctx.arg("dim", 0), len(src))
     if dim != p.dim:
@@ -453,32 +479,28 @@ def split(ctx: RuleContext) -> NodePlacement | str:
     # re-layout) leaves each block chunked the same way.
     if p.blocks > 1 and n == p.blocks and all(_shape(o)[dim] == src[dim] // n for o in ctx.out):
         return (Split(dim),) * n
-    return "split along the split dim"
+    return _along_split_dim("split along the split dim")
 
 
-def unbind(ctx: RuleContext) -> NodePlacement | str:
+def unbind(ctx: RuleContext) -> NodePlacement | Reason:
     p = _input(ctx)
     n = len(ctx.out)
     if not isinstance(p, Split):
-        return _replicate_or_partial(p) if isinstance(p, Replicate) else "cannot unbind this value"
+        return _unsplit(p, "unbind")
     dim = _norm(ctx.arg("dim", 0), len(_shape_of(ctx.arg("input"))))
     if dim == p.dim:
-        return "unbind along the split dim"
+        return _along_split_dim("unbind along the split dim")
     return (Split(p.dim - (dim < p.dim), p.blocks),) * n
 
 
-def cat(ctx: RuleContext) -> NodePlacement | str:
+def cat(ctx: RuleContext) -> NodePlacement | Reason:
     tensors = ctx.arg("tensors")
     ps = {ctx.pl(t) for t in tensors}
     if len(ps) != 1:
-        return "concatenation of differently placed tensors"
+        return _operands_split_apart("concatenation of differently placed tensors")
     (p,) = ps
     if not isinstance(p, Split):
-        return (
-            _replicate_or_partial(p)
-            if isinstance(p, Replicate)
-            else "concatenation of partial sums"
-        )
+        return _unsplit(p, "concatenation")
     ndim = len(_shape(ctx.out))
     dim = _norm(ctx.arg("dim", 0), ndim)
     if dim != p.dim:
@@ -486,64 +508,66 @@ def cat(ctx: RuleContext) -> NodePlacement | str:
     sizes = {_shape_of(t)[dim] for t in tensors}
     if p.blocks == 1 and len(sizes) == 1:
         return Split(dim, len(tensors))
-    return "concatenation along the split dim of unequal or blocked pieces"
+    return _along_split_dim("concatenation along the split dim of unequal or blocked pieces")
 
 
-def stack(ctx: RuleContext) -> NodePlacement | str:
+def stack(ctx: RuleContext) -> NodePlacement | Reason:
     ps = {ctx.pl(t) for t in ctx.arg("tensors")}
-    if len(ps) != 1 or not isinstance(next(iter(ps)), Split):
-        return "stack of differently placed tensors"
+    if len(ps) != 1:
+        return _operands_split_apart("stack of differently placed tensors")
     (p,) = ps
+    if not isinstance(p, Split):
+        return _unsplit(p, "stack")
     dim = _norm(ctx.arg("dim", 0), len(_shape(ctx.out)))
     return Split(p.dim + (dim <= p.dim), p.blocks)
 
 
-def constant_pad(ctx: RuleContext) -> NodePlacement | str:
+def constant_pad(ctx: RuleContext) -> NodePlacement | Reason:
     """Padding (pairs of amounts for the last dims first) keeps a split dim it leaves alone."""
     p = _input(ctx)
     if not isinstance(p, Split):
-        return "padding of a partial sum" if isinstance(p, Partial) else f"cannot follow {p}"
+        return _unsplit(p, "padding")
     ndim = len(_shape_of(ctx.arg("input")))
     pad = list(ctx.arg("pad"))
     padded = {ndim - 1 - i // 2 for i, amount in enumerate(pad) if amount != 0}
-    return "padding along the split dim" if p.dim in padded else p
+    return _along_split_dim("padding along the split dim") if p.dim in padded else p
 
 
 # -- indexing -------------------------------------------------------------------------------
 
 
-def gather(ctx: RuleContext) -> NodePlacement | str:
+def gather(ctx: RuleContext) -> NodePlacement | Reason:
     """``out[..i..] = input[..index[..i..]..]`` along ``dim``: a split elsewhere pairs rows."""
     src, index = ctx.pl(ctx.arg("input")), ctx.pl(ctx.arg("index"))
     dim = _norm(ctx.arg("dim"), len(_shape(ctx.out)))
-    if isinstance(src, Split) and src == index and src.dim != dim and src.blocks == 1:
-        return src
-    return "gather whose input and index are not split alike along another dim"
+    if not isinstance(src, Split) or src != index:
+        return _operands_split_apart("gather whose input and index are not split alike")
+    if src.dim == dim or src.blocks != 1:
+        return _along_split_dim("gather along the split dim, or of a blocked one")
+    return src
 
 
-def index_select(ctx: RuleContext) -> NodePlacement | str:
+def index_select(ctx: RuleContext) -> NodePlacement | Reason:
     src, index = ctx.pl(ctx.arg("input")), ctx.pl(ctx.arg("index"))
     dim = _norm(ctx.arg("dim"), len(_shape(ctx.out)))
-    if isinstance(src, Split) and isinstance(index, Replicate) and src.dim != dim:
-        return src
+    if isinstance(src, Split) and isinstance(index, Replicate):
+        return src if src.dim != dim else _along_split_dim("index_select along the split dim")
     if isinstance(src, Replicate) and isinstance(index, Split) and index.blocks == 1:
         return Split(dim)  # rows picked by split ids (a frequency table indexed by position)
-    return "index_select of this input and index"
+    return _unsupported_form("index_select of this input and index")
 
 
-def index(ctx: RuleContext) -> NodePlacement | str:
+def index(ctx: RuleContext) -> NodePlacement | Reason:
     """``input[..., idx, ...]``: replicated index tensors on dims other than the split one."""
     p = _input(ctx)
     indices = list(ctx.arg("indices"))
     used = [d for d, i in enumerate(indices) if i is not None]
-    if (
-        not isinstance(p, Split)
-        or p.dim in used
-        or any(not isinstance(ctx.pl(indices[d]), Replicate) for d in used)
-    ):
-        return "indexing the split dim, or with split indices"
+    if not isinstance(p, Split) or any(not isinstance(ctx.pl(indices[d]), Replicate) for d in used):
+        return _unsupported_form("indexing an unsplit value, or with split indices")
+    if p.dim in used:
+        return _along_split_dim("indexing the split dim")
     if used != list(range(used[0], used[-1] + 1)):
-        return "advanced indices that are not adjacent"
+        return _unsupported_form("advanced indices that are not adjacent")
     if p.dim < used[0]:
         return p
     index_ndim = max(len(_shape_of(indices[d])) for d in used)
@@ -553,23 +577,25 @@ def index(ctx: RuleContext) -> NodePlacement | str:
 # -- matmuls, reductions, normalisations ------------------------------------------------
 
 
-def mm(ctx: RuleContext) -> NodePlacement | str:
+def mm(ctx: RuleContext) -> NodePlacement | Reason:
     return _matmul(ctx.pl(ctx.arg("input")), ctx.pl(ctx.arg("mat2")), 0, 1)
 
 
-def addmm(ctx: RuleContext) -> NodePlacement | str:
+def addmm(ctx: RuleContext) -> NodePlacement | Reason:
     bias = ctx.arg("input")
     if (
         not isinstance(ctx.pl(bias), Replicate)
         or len(_shape_of(bias)) == 2
         and _shape_of(bias)[0] != 1
     ):
-        return "addmm with a bias that is split or varies over rows"
+        return _batch_varying_operand("addmm with a bias that is split or varies over rows")
     result = _matmul(ctx.pl(ctx.arg("mat1")), ctx.pl(ctx.arg("mat2")), 0, 1)
-    return result if isinstance(result, Split) else "addmm adds its bias once per contribution"
+    if isinstance(result, Partial):
+        return _partial_sum("addmm adds its bias once per contribution")
+    return result
 
 
-def bmm(ctx: RuleContext) -> NodePlacement | str:
+def bmm(ctx: RuleContext) -> NodePlacement | Reason:
     a, b = ctx.pl(ctx.arg("input")), ctx.pl(ctx.arg("mat2"))
     if a == b == Split(0):
         return Split(0)
@@ -578,7 +604,7 @@ def bmm(ctx: RuleContext) -> NodePlacement | str:
 
 def _matmul(
     a: NodePlacement, b: NodePlacement, row: int, col: int, batch: bool = False
-) -> NodePlacement | str:
+) -> NodePlacement | Reason:
     """C = A @ B: split rows of A or columns of B stay split; a split contraction is a
     partial sum."""
     rep_a, rep_b = isinstance(a, Replicate), isinstance(b, Replicate)
@@ -595,7 +621,8 @@ def _matmul(
         return PARTIAL
     if (isinstance(a, Partial) and rep_b) or (rep_a and isinstance(b, Partial)):
         return PARTIAL
-    return f"matmul of {a} and {b}"
+    kind = ReasonKind.PARTIAL_SUM if PARTIAL in (a, b) else ReasonKind.OPERANDS_SPLIT_APART
+    return Reason(kind, None, f"matmul of {a} and {b}")
 
 
 def _reduced_dims(ctx: RuleContext) -> list[int]:
@@ -606,52 +633,52 @@ def _reduced_dims(ctx: RuleContext) -> list[int]:
     return [_norm(d, ndim) for d in ([dims] if isinstance(dims, int) else dims)]
 
 
-def _reduction(ctx: RuleContext, linear: bool) -> NodePlacement | str:
+def _reduction(ctx: RuleContext, linear: bool) -> NodePlacement | Reason:
     p = _input(ctx)
     if isinstance(p, Partial):
-        return PARTIAL if linear else "nonlinear reduction of a partial sum"
+        return PARTIAL if linear else _partial_sum("nonlinear reduction of a partial sum")
     if not isinstance(p, Split):
-        return "cannot reduce this value"
+        return _replicate_or_partial(p)
     dims = _reduced_dims(ctx)
     if p.dim in dims:
-        return PARTIAL if linear else "reduction over the split dim"
+        return PARTIAL if linear else _along_split_dim("reduction over the split dim")
     keepdim = bool(ctx.arg("keepdim", False))
     return Split(p.dim if keepdim else p.dim - sum(d < p.dim for d in dims), p.blocks)
 
 
-def sum_(ctx: RuleContext) -> NodePlacement | str:
+def sum_(ctx: RuleContext) -> NodePlacement | Reason:
     return _reduction(ctx, linear=True)
 
 
-def reduction(ctx: RuleContext) -> NodePlacement | str:
+def reduction(ctx: RuleContext) -> NodePlacement | Reason:
     return _reduction(ctx, linear=False)
 
 
-def var_mean(ctx: RuleContext) -> NodePlacement | str:
+def var_mean(ctx: RuleContext) -> NodePlacement | Reason:
     result = _reduction(ctx, linear=False)
-    return result if isinstance(result, str) else (result, result)
+    return result if isinstance(result, Reason) else (result, result)
 
 
-def along_dim(ctx: RuleContext) -> NodePlacement | str:
+def along_dim(ctx: RuleContext) -> NodePlacement | Reason:
     """Ops that mix values along one ``dim`` only (softmax, cumsum, sort, topk)."""
     p = _input(ctx)
     dim = _norm(ctx.arg("dim", -1), len(_shape_of(ctx.arg("input"))))
-    if not isinstance(p, Split) or p.dim == dim:
-        return f"{ctx.node.target} along the split dim or of an unsplit value"
+    if not isinstance(p, Split):
+        return _unsplit(p, str(ctx.node.target))
+    if p.dim == dim:
+        return _along_split_dim(f"{ctx.node.target} along the split dim")
     return (p,) * len(ctx.out) if isinstance(ctx.out, (tuple, list)) else p
 
 
-def softmax_backward(ctx: RuleContext) -> NodePlacement | str:
+def softmax_backward(ctx: RuleContext) -> NodePlacement | Reason:
     a, b = ctx.pl(ctx.arg("grad_output")), ctx.pl(ctx.arg("output"))
     dim = _norm(ctx.arg("dim"), len(_shape(ctx.out)))
-    return (
-        a
-        if isinstance(a, Split) and a == b and a.dim != dim
-        else "softmax backward along the split dim"
-    )
+    if not isinstance(a, Split) or a != b:
+        return _operands_split_apart("softmax backward of a gradient and output not split alike")
+    return _along_split_dim("softmax backward along the split dim") if a.dim == dim else a
 
 
-def nll_loss(ctx: RuleContext) -> NodePlacement | str:
+def nll_loss(ctx: RuleContext) -> NodePlacement | Reason:
     """Rows of the logits with their targets; a summed loss is a partial sum (a mean is not)."""
     logits, target = ctx.pl(ctx.arg("input")), ctx.pl(ctx.arg("target"))
     if (
@@ -659,16 +686,16 @@ def nll_loss(ctx: RuleContext) -> NodePlacement | str:
         or target != Split(0)
         or not isinstance(ctx.pl(ctx.arg("weight")), Replicate)
     ):
-        return "nll_loss of rows and targets not split alike"
+        return _operands_split_apart("nll_loss of rows and targets not split alike")
     reduction = ctx.arg("reduction")
     if reduction == 0:  # none
         return (Split(0), REPLICATE)
     if reduction == 2:  # sum
         return (PARTIAL, PARTIAL)
-    return "mean nll_loss: a ratio of sums over the batch"
+    return _unsupported_form("mean nll_loss: a ratio of sums over the batch")
 
 
-def nll_loss_backward(ctx: RuleContext) -> NodePlacement | str:
+def nll_loss_backward(ctx: RuleContext) -> NodePlacement | Reason:
     logits, target = ctx.pl(ctx.arg("input")), ctx.pl(ctx.arg("target"))
     grad = ctx.pl(ctx.arg("grad_output"))
     ok_grad = grad == Split(0) if ctx.arg("reduction") == 0 else isinstance(grad, Replicate)
@@ -678,7 +705,7 @@ def nll_loss_backward(ctx: RuleContext) -> NodePlacement | str:
         and isinstance(ctx.pl(ctx.arg("total_weight")), Replicate)
     ):
         return Split(0)
-    return "nll_loss backward of rows and targets not split alike"
+    return _operands_split_apart("nll_loss backward of rows and targets not split alike")
 
 
 # -- attention ----------------------------------------------------------------------------
@@ -700,20 +727,20 @@ class AttentionKernel:
     outputs: tuple[str, ...]
     mask: str | None = None
 
-    def __call__(self, ctx: RuleContext) -> NodePlacement | str:
+    def __call__(self, ctx: RuleContext) -> NodePlacement | Reason:
         if ctx.arg("dropout_p", 0.0):
-            return "attention with dropout: splitting it would change the random stream"
+            return _random("attention with dropout: splitting it would change the random stream")
         if any(ctx.pl(ctx.arg(name)) != Split(0) for name in self.batched):
-            return "attention inputs not split along the batch dim"
+            return _operands_split_apart("attention inputs not split along the batch dim")
         mask = ctx.arg(self.mask) if self.mask else None
         if (
             isinstance(mask, torch.fx.Node)
             and not isinstance(ctx.pl(mask), Replicate)
             and ctx.pl(mask) != Split(0)
         ):
-            return "attention mask or bias split otherwise than the batch"
+            return _batch_varying_operand("attention mask or bias split otherwise than the batch")
         if list(ctx.arg("grad_input_mask") or ())[3:4] == [True] and not _broadcasts(mask):
-            return "gradient of a batch-varying attention bias"
+            return _unsupported_form("gradient of a batch-varying attention bias")
         return tuple({"split": Split(0), "local": LOCAL}[o] for o in self.outputs)
 
 
@@ -725,25 +752,25 @@ def _broadcasts(mask: object) -> bool:
 # -- embeddings and masked writes ---------------------------------------------------------
 
 
-def embedding(ctx: RuleContext) -> NodePlacement | str:
+def embedding(ctx: RuleContext) -> NodePlacement | Reason:
     weight, indices = ctx.pl(ctx.arg("weight")), ctx.pl(ctx.arg("indices"))
-    return (
-        indices
-        if isinstance(weight, Replicate) and isinstance(indices, Split)
-        else "embedding of split weights"
-    )
+    if not isinstance(weight, Replicate) or not isinstance(indices, Split):
+        return _unsupported_form("embedding of split weights or unsplit indices")
+    return indices
 
 
-def embedding_backward(ctx: RuleContext) -> NodePlacement | str:
+def embedding_backward(ctx: RuleContext) -> NodePlacement | Reason:
     grad, indices = ctx.pl(ctx.arg("grad_output")), ctx.pl(ctx.arg("indices"))
     if ctx.arg("scale_grad_by_freq", False):
-        return "embedding backward scaled by frequency"
+        return _unsupported_form("embedding backward scaled by frequency")
     # grad is indices' shape plus the embedding dim: the same split pairs rows with ids
     ok = isinstance(grad, Split) and grad == indices and grad.blocks == 1
-    return PARTIAL if ok else "embedding backward of unsplit or misaligned gradients"
+    if not ok:
+        return _operands_split_apart("embedding backward of unsplit or misaligned gradients")
+    return PARTIAL
 
 
-def masked_accumulate(ctx: RuleContext) -> NodePlacement | str:
+def masked_accumulate(ctx: RuleContext) -> NodePlacement | Reason:
     return _accumulate_into_zeros(
         ctx, ctx.arg("input"), [ctx.arg("mask"), *ctx.arg("indices"), ctx.arg("values")]
     )
@@ -751,7 +778,7 @@ def masked_accumulate(ctx: RuleContext) -> NodePlacement | str:
 
 def _accumulate_into_zeros(
     ctx: RuleContext, base: object, operands: list[object]
-) -> NodePlacement | str:
+) -> NodePlacement | Reason:
     """Scatter-adding the batch into zeros (an embedding's weight gradient) is a partial sum:
     each nanobatch scatters its rows into its own zeros, and the results add up."""
     zeros = (
@@ -761,13 +788,15 @@ def _accumulate_into_zeros(
         and isinstance(ctx.pl(base), Replicate)
     )
     if not zeros:
-        return "accumulation into a tensor other than fresh zeros"
+        return _unsupported_form("accumulation into a tensor other than fresh zeros")
     if any(ctx.pl(o) != Split(0) for o in operands if isinstance(o, torch.fx.Node)):
-        return "accumulation of indices and values not split along their leading dim"
+        return _operands_split_apart(
+            "accumulation of indices and values not split along their leading dim"
+        )
     return PARTIAL
 
 
-def index_put(ctx: RuleContext) -> NodePlacement | str:
+def index_put(ctx: RuleContext) -> NodePlacement | Reason:
     """``x[mask] = value`` with a boolean mask split like ``x`` and a replicated value; or
     a scatter-add of the batch into zeros."""
     x, indices, values = ctx.arg("input"), ctx.arg("indices"), ctx.arg("values")
@@ -775,52 +804,48 @@ def index_put(ctx: RuleContext) -> NodePlacement | str:
         return _accumulate_into_zeros(ctx, x, [*indices, values])
     p = ctx.pl(x)
     if not isinstance(p, Split) or len(indices) != 1:
-        return "index_put other than a masked fill"
+        return _unsupported_form("index_put other than a masked fill")
     (mask,) = indices
     mask_val = mask.meta.get("val") if isinstance(mask, torch.fx.Node) else None
     if mask_val is None or mask_val.dtype != torch.bool or p.dim >= mask_val.ndim:
-        return "index_put other than a masked fill of leading dims"
+        return _unsupported_form("index_put other than a masked fill of leading dims")
     if ctx.pl(mask) != p or not isinstance(ctx.pl(values), Replicate) or _shape_of(values):
-        return "masked fill with a mask or value not placed like its target"
+        return _operands_split_apart("masked fill with a mask or value not placed like its target")
     return p
 
 
 # -- collectives -----------------------------------------------------------------------
 
 
-def all_reduce(ctx: RuleContext) -> NodePlacement | str:
+def all_reduce(ctx: RuleContext) -> NodePlacement | Reason:
     p = _input(ctx)
     if isinstance(p, Partial) and ctx.arg("reduce_op") != "sum":
-        return "all-reduce of a partial sum with an op other than sum"
-    return p if isinstance(p, (Split, Partial)) else "all-reduce of this value"
+        return _partial_sum("all-reduce of a partial sum with an op other than sum")
+    return p if isinstance(p, Split) else _replicate_or_partial(p)
 
 
-def all_gather(ctx: RuleContext) -> NodePlacement | str:
+def all_gather(ctx: RuleContext) -> NodePlacement | Reason:
     p, n = _input(ctx), ctx.arg("group_size")
     if not isinstance(p, Split):
-        return "all-gather of an unsplit value"
+        return _unsplit(p, "all-gather")
     if p.dim != 0:
         return p
-    return Split(0, n) if p.blocks == 1 else "all-gather of a blocked split dim"
+    return Split(0, n) if p.blocks == 1 else _along_split_dim("all-gather of a blocked split dim")
 
 
-def reduce_scatter(ctx: RuleContext) -> NodePlacement | str:
+def reduce_scatter(ctx: RuleContext) -> NodePlacement | Reason:
     p, n = _input(ctx), ctx.arg("group_size")
-    if isinstance(p, Partial):
-        return (
-            p
-            if ctx.arg("reduce_op") == "sum"
-            else "reduce-scatter of a partial sum with an op other than sum"
-        )
+    if isinstance(p, Partial) and ctx.arg("reduce_op") != "sum":
+        return _partial_sum("reduce-scatter of a partial sum with an op other than sum")
     if not isinstance(p, Split):
-        return "reduce-scatter of this value"
+        return _replicate_or_partial(p)
     if p.dim != 0:
         return p
-    return Split(0) if p.blocks == n else "reduce-scatter along the batch dim"
+    return Split(0) if p.blocks == n else _along_split_dim("reduce-scatter along the batch dim")
 
 
-def all_to_all(ctx: RuleContext) -> str:
-    return (
+def all_to_all(ctx: RuleContext) -> Reason:
+    return _unsupported_form(
         "all-to-all (expert parallelism): its split sizes are data-dependent, "
         "not yet split per nanobatch"
     )

@@ -1,27 +1,31 @@
 """The variant space of a graph: nanobatch counts, per-partition launch slots and resources.
 
 A variant is one point: ``k`` nanobatches, for every partition the slot at which the
-other nanobatch's collective is issued and the CTA cap of that collective. Any point can
-be materialised as the whole rewritten graph (``nanobatch.nanobatch_graph``) or as one
-partition alone (``profiler.workloads.partition_workload``) for isolated profiling.
+other nanobatch's collective is issued and the CTA cap of that collective. Which
+partitions can overlap depends on ``k`` (a split region may end earlier with more
+nanobatches), so the choices are kept per count. Any point can be materialised as the
+whole rewritten graph (``passes.apply``) or as one partition alone
+(``profiler.workloads.partition_workload``) for isolated profiling.
 """
 
 from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
-import torch
-import torch.fx
-
-from kareus.runtime.communicators import capped_group, resource_choices
-from kareus.passes.nanobatch import Schedule
+from kareus.errors import KareusError
 from kareus.passes.partition import GraphPartitioning
 from kareus.passes.placement import PlacementResult, per_nanobatch
+from kareus.passes.reasons import Reason
+from kareus.runtime.communicators import resource_choices
 
 NANOBATCH_COUNTS = (1, 2, 4)
+
+
+class VariantError(KareusError, ValueError):
+    """A variant that is not a point of its graph's space."""
 
 
 @dataclass(frozen=True)
@@ -44,67 +48,94 @@ class Variant:
 @dataclass(frozen=True)
 class VariantSpace:
     nanobatches: tuple[int, ...]  # the counts that apply (1 always does)
-    infeasible: dict[int, str] = field(default_factory=dict)  # count -> why not
-    partitions: tuple[PartitionChoices, ...] = ()
+    infeasible: dict[int, Reason] = field(default_factory=dict)  # count -> why not
+    choices: dict[int, tuple[PartitionChoices, ...]] = field(default_factory=dict)  # count > 1
+
+    def partitions(self, k: int) -> tuple[PartitionChoices, ...]:
+        """The per-partition choices with ``k`` nanobatches (none for k = 1)."""
+        if k not in self.nanobatches:
+            raise VariantError(f"{k} nanobatches do not apply: {self._why_not(k)}")
+        return self.choices.get(k, ())
 
     def default(self, k: int) -> Variant:
         """Every collective at its earliest slot, on the library's default resources."""
-        n = len(self.partitions)
+        n = len(self.partitions(k))
         return Variant(k, (0,) * n, (None,) * n)
 
     def size(self) -> int:
-        per_k = 1
-        for p in self.partitions:
-            per_k *= p.launch_slots * len(p.resources)
-        return 1 + (len(self.nanobatches) - 1) * per_k
+        total = 0
+        for k in self.nanobatches:
+            per_k = 1
+            for p in self.partitions(k):
+                per_k *= p.launch_slots * len(p.resources)
+            total += per_k
+        return total
 
     def __iter__(self) -> Iterator[Variant]:
-        yield self.default(1)
-        axes = [
-            list(itertools.product(range(p.launch_slots), p.resources)) for p in self.partitions
-        ]
-        for k in self.nanobatches[1:]:
+        for k in self.nanobatches:
+            axes = [
+                list(itertools.product(range(p.launch_slots), p.resources))
+                for p in self.partitions(k)
+            ]
             for combo in itertools.product(*axes):
                 yield Variant(k, tuple(s for s, _ in combo), tuple(r for _, r in combo))
 
     def sample(self, rng: random.Random, k: int) -> Variant:
+        parts = self.partitions(k)
         return Variant(
             k,
-            tuple(rng.randrange(p.launch_slots) for p in self.partitions),
-            tuple(rng.choice(p.resources) for p in self.partitions),
+            tuple(rng.randrange(p.launch_slots) for p in parts),
+            tuple(rng.choice(p.resources) for p in parts),
         )
 
-    def schedule(self, variant: Variant) -> Schedule:
-        if variant.nanobatches not in self.nanobatches:
-            raise ValueError(
-                f"{variant.nanobatches} nanobatches do not apply: "
-                f"{self.infeasible.get(variant.nanobatches, 'not a searched count')}"
+    def check(self, variant: object) -> Variant:
+        """``variant`` if it is a point of this space; a ``VariantError`` saying why not."""
+        if not isinstance(variant, Variant):
+            raise VariantError(f"expected a Variant, got {type(variant).__name__}: {variant!r}")
+        parts = self.partitions(variant.nanobatches)
+        if len(variant.slots) != len(parts) or len(variant.resources) != len(parts):
+            raise VariantError(
+                f"{variant} has {len(variant.slots)} slots and {len(variant.resources)} "
+                f"resources; the graph has {len(parts)} partitions"
             )
-        for p, slot, cap in zip(self.partitions, variant.slots, variant.resources, strict=True):
-            if not 0 <= slot < p.launch_slots or cap not in p.resources:
-                raise ValueError(f"partition {p.index}: slot {slot} / resources {cap} outside its choices")
-        groups = tuple(
-            None if cap is None else capped_group(p.group_name, cap)
-            for p, cap in zip(self.partitions, variant.resources)
-        )
-        return Schedule(variant.nanobatches, variant.slots, groups)
+        for p, slot, cap in zip(parts, variant.slots, variant.resources):
+            if not (isinstance(slot, int) and 0 <= slot < p.launch_slots):
+                raise VariantError(
+                    f"partition {p.index}: slot {slot!r} outside 0..{p.launch_slots - 1}"
+                )
+            if cap not in p.resources:
+                raise VariantError(
+                    f"partition {p.index}: resources {cap!r} outside its choices {p.resources}"
+                )
+        return variant
+
+    def _why_not(self, k: int) -> str:
+        return str(self.infeasible[k]) if k in self.infeasible else "not a searched count"
 
 
 def variant_space(
-    partitioning: GraphPartitioning, placements: PlacementResult, infeasible: dict[int, str]
+    partitioning: GraphPartitioning,
+    placements: Mapping[int, PlacementResult],
+    infeasible: Mapping[int, Reason],
 ) -> VariantSpace:
+    """The space of a graph from its placements per count ``k > 1``."""
     counts = tuple(k for k in NANOBATCH_COUNTS if k not in infeasible)
-    choices = []
-    for p in partitioning.partitions:
-        split = per_nanobatch(placements.placements[p.collective.node])
-        choices.append(
-            PartitionChoices(
-                p.index,
-                p.key,
-                p.collective.name,
-                p.collective.group_name,
-                launch_slots=len(p.slots) + 1 if split else 1,
-                resources=resource_choices(p.collective.kind, p.collective.group_name) if split else (None,),
+    choices = {}
+    for k in counts[1:]:
+        place = placements[k].placements
+        parts = []
+        for p in partitioning.partitions:
+            c = p.collective
+            split = per_nanobatch(place[c.node])
+            parts.append(
+                PartitionChoices(
+                    p.index,
+                    p.key,
+                    c.name,
+                    c.group_name,
+                    launch_slots=len(p.slots) + 1 if split else 1,
+                    resources=resource_choices(c.kind, c.group_name) if split else (None,),
+                )
             )
-        )
-    return VariantSpace(counts, dict(infeasible), tuple(choices))
+        choices[k] = tuple(parts)
+    return VariantSpace(counts, dict(infeasible), choices)

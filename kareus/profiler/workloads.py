@@ -32,10 +32,14 @@ def partition_workload(
     """
     place = placements.placements
     if not per_nanobatch(place[partition.collective.node]):
-        raise ValueError(f"partition {partition.index}: its collective is not split into nanobatches")
+        raise ValueError(
+            f"partition {partition.index}: its collective is not split into nanobatches"
+        )
     barriers = [n.name for n in partition.nodes if isinstance(place[n], Whole)]
     if barriers:
-        raise ValueError(f"partition {partition.index}: {', '.join(barriers)} cannot run per nanobatch")
+        raise ValueError(
+            f"partition {partition.index}: {', '.join(barriers)} cannot run per nanobatch"
+        )
     members = set(partition.nodes)
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
@@ -55,7 +59,9 @@ def partition_workload(
         args = torch.fx.node.map_arg(coll.node.args, lambda a: other)
         if group_name is not None:
             args = with_group(coll.node, args, group_name)
-        return graph.call_function(coll.waits[0].target, (graph.call_function(coll.node.target, args),))
+        return graph.call_function(
+            coll.waits[0].target, (graph.call_function(coll.node.target, args),)
+        )
 
     waited = None
     for index, s in enumerate(partition.slots):

@@ -1,0 +1,63 @@
+"""What exists once per process, whatever backends compile in it.
+
+A physical GPU has one clock, whichever backend's graphs run on it; NCCL sub-communicators
+are created once per (group, cap) in the order all ranks agreed; the n-th compile of a
+graph pairs with the n-th on other ranks. ``process_runtime()`` is the one owner of these;
+backends hold policy, never this.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kareus.runtime.agreement import CompileCounter
+from kareus.runtime.clock import ClockController, ClockRouter
+from kareus.runtime.communicators import Communicators
+
+if TYPE_CHECKING:
+    from kareus.profiler.devices.base import Device
+
+
+@dataclass
+class ProcessRuntime:
+    clocks: ClockRouter = field(default_factory=ClockRouter)
+    communicators: Communicators = field(default_factory=Communicators)
+    compiles: CompileCounter = field(default_factory=CompileCounter)
+    _devices: dict[str, Device] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def device(self, spec: str) -> Device:
+        """One device per spec: NVML is opened (and "auto" decided and logged) once."""
+        from kareus.profiler.devices.resolve import resolve_device
+
+        with self._lock:
+            if spec not in self._devices:
+                self._devices[spec] = resolve_device(spec)
+            return self._devices[spec]
+
+    def drive(self, device: Device) -> None:
+        """Let the graphs this process runs switch ``device``'s clocks, where it has clocks
+        this process controls (a physical GPU): its controller becomes the default."""
+        if device.controls_clocks:
+            self.clocks.set_default(device.clock_controller())
+
+    def forget_devices(self) -> None:
+        """Drop opened devices (tests that open fake GPUs)."""
+        with self._lock:
+            self._devices.clear()
+
+
+_PROCESS = ProcessRuntime()
+
+
+def process_runtime() -> ProcessRuntime:
+    return _PROCESS
+
+
+def use_controller(controller: ClockController) -> AbstractContextManager[ClockController]:
+    """Route the set_clock calls of graphs this thread runs to ``controller`` in a block;
+    default clocks are restored (``controller.reset()``) on the way out."""
+    return _PROCESS.clocks.use(controller)

@@ -46,9 +46,11 @@ seeds; that errs on the safe side.) The ``repr`` travels along only to explain a
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import logging
 import pickle
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -190,3 +192,20 @@ def _adopt(value: bytes | str, digest: str, prefix: str, *, sticky: bool) -> Ver
 
 def _text(value: bytes | str) -> str:
     return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else value
+
+
+class CompileCounter:
+    """How often this process compiled each graph: the n-th compile of a graph on one rank
+    pairs with the n-th on the others (a program compiled twice with other options agrees
+    afresh; a rank that compiled a graph once more than the others times out there, and its
+    peers then fall back too, at the same compile)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: collections.Counter[str] = collections.Counter()
+
+    def key(self, graph: str) -> str:
+        """The agreement key of this compile of ``graph`` (a rank-invariant hash)."""
+        with self._lock:
+            self._counts[graph] += 1
+            return f"{graph}.{self._counts[graph]}"

@@ -10,8 +10,12 @@ the same order, as ``new_group`` requires. Other backends (gloo) have no such kn
 
 from __future__ import annotations
 
+import threading
+
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
+
+from kareus.errors import KareusError
 
 # The method's search ranges (REFERENCE.md section 1): thread blocks given to all-reduce
 # 3..30 step 3, to all-gather / reduce-scatter 1..20.
@@ -20,9 +24,6 @@ _CTA_CHOICES = {
     "all_gather": tuple(range(1, 21)),
     "reduce_scatter": tuple(range(1, 21)),
 }
-
-_capped: dict[tuple[str, int], str] = {}
-
 
 def backend_of(group_name: str) -> str | None:
     try:
@@ -51,19 +52,35 @@ def resource_choices(kind: str, group_name: str) -> tuple[int | None, ...]:
     return (None, *_CTA_CHOICES.get(kind, ()))
 
 
-def capped_group(group_name: str, max_ctas: int) -> str:
-    """The name of a sub-communicator of ``group_name``'s ranks limited to ``max_ctas`` CTAs."""
-    backend = backend_of(group_name)
-    if backend != "nccl":
-        raise ValueError(
-            f"communication resource caps need NCCL; group {group_name!r} uses {backend!r}, "
-            "where a collective's resources cannot be capped"
-        )
-    key = (group_name, max_ctas)
-    if key not in _capped:
-        group = _resolve_process_group(group_name)
-        options = dist.ProcessGroupNCCL.Options()
-        options.config.max_ctas = max_ctas
-        sub = dist.new_group(dist.get_process_group_ranks(group), pg_options=options)
-        _capped[key] = sub.group_name
-    return _capped[key]
+class Communicators:
+    """The capped sub-communicators of this process, created once per (group, cap).
+
+    Creating one is a collective call on the group's ranks (``new_group``), so it happens
+    only after the ranks agreed on the variant that needs it, in the agreed order.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._capped: dict[tuple[str, int], str] = {}
+
+    def capped(self, group_name: str, max_ctas: int) -> str:
+        """The name of a sub-communicator of ``group_name``'s ranks limited to ``max_ctas`` CTAs."""
+        backend = backend_of(group_name)
+        if backend != "nccl":
+            raise CommunicatorError(
+                f"communication resource caps need NCCL; group {group_name!r} uses {backend!r}, "
+                "where a collective's resources cannot be capped"
+            )
+        key = (group_name, max_ctas)
+        with self._lock:
+            if key not in self._capped:
+                group = _resolve_process_group(group_name)
+                options = dist.ProcessGroupNCCL.Options()
+                options.config.max_ctas = max_ctas
+                sub = dist.new_group(dist.get_process_group_ranks(group), pg_options=options)
+                self._capped[key] = sub.group_name
+            return self._capped[key]
+
+
+class CommunicatorError(KareusError):
+    """A communication resource was asked of a backend that cannot provide it."""

@@ -22,9 +22,8 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import FrameType, ModuleType
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from kareus.runtime.clock import DEFAULT_CLOCK_MHZ, ClockSwitch
 from kareus.profiler.devices.errors import (
     ClockControlError,
     ClockControlUnsupportedError,
@@ -34,6 +33,10 @@ from kareus.profiler.devices.errors import (
     UnsupportedClockError,
     nvml_error_code,
 )
+from kareus.runtime.clock import DEFAULT_CLOCK_MHZ, ClockSwitch
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self from Python 3.11
 
 logger = logging.getLogger("kareus")
 
@@ -58,7 +61,6 @@ def record_cuda_event() -> StreamEvent:
 
 def no_event() -> None:
     """Without CUDA there is no stream to order against: switch as soon as the thread runs."""
-    return None
 
 
 def default_event_factory() -> EventFactory:
@@ -176,7 +178,7 @@ class NvmlClockController:
                 self._queue.put(_STOP)
                 self._thread.join()
 
-    def __enter__(self) -> NvmlClockController:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -211,7 +213,7 @@ class NvmlClockController:
                 with self._apply_lock:
                     if item.generation == self._generation:
                         self._apply(item.graph, item.mhz)
-            except Exception as exc:  # surfaced on the training thread at its next call
+            except Exception as exc:  # noqa: BLE001 - surfaced on the training thread next call
                 logger.error("clock switch on %s failed: %s", self.gpu, exc)
                 with self._request_lock:
                     self._error = exc

@@ -26,7 +26,9 @@ def test_records_kind_group_dtype_shape_and_bytes(fake_pg):
         torch.randn(4, 4),
     )
     ar, ag, rs, a2a = find_collectives(graph)
-    assert [c.kind for c in (ar, ag, rs, a2a)] == ["all_reduce", "all_gather", "reduce_scatter", "all_to_all"]
+    assert [c.kind for c in (ar, ag, rs, a2a)] == [
+        "all_reduce", "all_gather", "reduce_scatter", "all_to_all"
+    ]
     assert all(c.group_size == fake_pg for c in (ar, ag, rs, a2a))
     assert ar.reduce_op == "sum" and rs.reduce_op == "avg" and ag.reduce_op is None
     assert ar.shapes == ((8, 4),) and ag.dtype == torch.bfloat16

@@ -8,40 +8,37 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
-from conftest import tp_llama
+from conftest import analysed, tp_llama
 from torch._inductor.utils import run_and_get_code
 from torch.fx.experimental.proxy_tensor import make_fx
 
-import kareus
-import kareus.backend
-
-aten = torch.ops.aten
+from kareus import KareusBackend, ReasonKind
+from kareus.passes.apply import apply
+from kareus.passes.decide import Policy, decide
 from kareus.passes.memory import peak_memory_bytes
 from kareus.passes.nanobatch import Schedule, nanobatch_graph
 from kareus.passes.ops import OP_TABLE
 from kareus.passes.partition import partition_graph
 from kareus.passes.placement import Split, propagate
 from kareus.passes.variants import Variant
+from kareus.runtime.communicators import CommunicatorError, Communicators
+
+aten = torch.ops.aten
 
 
-@pytest.fixture(autouse=True)
-def default_chooser():
-    yield
-    kareus.backend.set_variant_chooser(None)
-
-
-def _choose(partition: int, slot: int) -> None:
-    def chooser(label, space, k):
-        slots = list(space.default(k).slots)
-        if label.endswith("forward"):
+def _slot_in_forward(partition: int, slot: int):
+    def chooser(analysis, k):
+        slots = list(analysis.space.default(k).slots)
+        if analysis.kind == "forward":
             slots[partition] = slot
-        return Variant(k, tuple(slots), space.default(k).resources)
+        return Variant(k, tuple(slots), analysis.space.default(k).resources)
 
-    kareus.backend.set_variant_chooser(chooser)
+    return chooser
 
 
 def _events(code: str) -> list[tuple[str, str | None]]:
-    """Collective issues and waits (with their buffer) and matmuls, in the order Inductor runs them."""
+    """Collective issues and waits (with their buffer) and matmuls, in the order Inductor
+    runs them."""
     events = []
     for line in code[code.index("def call(") :].splitlines():
         m = re.search(r"_c10d_functional\.(\w+?)_?\.default\((\w+)", line)
@@ -57,10 +54,11 @@ MLP = 4  # forward partition of layer 1's MLP: norm | w1 | w3 | silu * mul | w2
 
 @pytest.mark.parametrize("slot", [0, 2, 4, 5])
 def test_inductor_code_issues_each_collective_at_its_slot(fake_pg, slot):
-    _choose(MLP, slot)
-    model = torch.compile(tp_llama(2), backend="kareus", options={"nanobatches": 2})
-    _, (code,) = run_and_get_code(model, torch.randint(0, 256, (4, 16)))
-    report = kareus.graph_reports()[0]
+    backend = KareusBackend({"nanobatches": 2}, chooser=_slot_in_forward(MLP, slot))
+    _, (code,) = run_and_get_code(
+        torch.compile(tp_llama(2), backend=backend), torch.randint(0, 256, (4, 16))
+    )
+    report = backend.reports()[0]
     assert report.nanobatches == 2 and report.variant.slots[MLP] == slot
     slots = report.partitions[MLP].slots
     assert [s.kind for s in slots] == ["memory", "matmul", "matmul", "memory", "matmul"]
@@ -92,15 +90,17 @@ class AllReduceMLP(torch.nn.Module):
         return self.b(self.after(torch.relu(h)))
 
 
-def _run(model, x, nanobatches, lowering="eager", seed=0):
+def _run(model, x, nanobatches, lowering="eager", seed=0, **compile_kwargs):
+    """Output, gradients and graph reports of ``model(x)`` compiled by a fresh kareus backend."""
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend="kareus", options={"nanobatches": nanobatches, "lowering": lowering})
+    backend = KareusBackend({"nanobatches": nanobatches, "lowering": lowering})
+    compiled = torch.compile(model, backend=backend, **compile_kwargs)
     torch.manual_seed(seed)
     out = compiled(x)
     out.sum().backward()
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    return out, grads
+    return out, grads, backend.reports()
 
 
 @pytest.mark.parametrize("lowering", ["eager", "inductor"])
@@ -108,31 +108,33 @@ def _run(model, x, nanobatches, lowering="eager", seed=0):
 def test_rewritten_block_matches_unrewritten(fake_pg, lowering, norm):
     torch.manual_seed(0)
     model, x = AllReduceMLP(before=torch.nn.LayerNorm(16) if norm else None), torch.randn(4, 6, 8)
-    ref_out, ref_grads = _run(model, x, 1, lowering)
-    kareus.clear_graph_reports()
-    out, grads = _run(model, x, 4, lowering)
-    assert [r.nanobatches for r in kareus.graph_reports()] == [4, 4]
+    ref_out, ref_grads, _ = _run(model, x, 1, lowering)
+    out, grads, reports = _run(model, x, 4, lowering)
+    assert [r.nanobatches for r in reports] == [4, 4]
     torch.testing.assert_close(out, ref_out)
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g, r)
 
 
 def _fallback(model, x, k=2):
-    ref_out, ref_grads = _run(model, x, 1)
-    kareus.clear_graph_reports()
-    out, grads = _run(model, x, k)
+    ref_out, ref_grads, _ = _run(model, x, 1)
+    out, grads, reports = _run(model, x, k)
     torch.testing.assert_close(out, ref_out)
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g, r)
-    return kareus.graph_reports()
+    return reports
 
 
 def test_batch_not_divisible_runs_unrewritten(fake_pg):
     torch.manual_seed(0)
     forward, backward = _fallback(AllReduceMLP(), torch.randn(3, 8))
     assert (forward.nanobatches, backward.nanobatches) == (1, 1)
-    assert "size 3 does not divide into 2 nanobatches" in forward.fallback_reason
-    assert 2 in forward.variants.infeasible and forward.variants.nanobatches == (1,)
+    assert forward.fallback.kind is ReasonKind.NOT_DIVISIBLE
+    assert "size 3 does not divide into 2 nanobatches" in forward.fallback.detail
+    assert (
+        forward.variants.infeasible[2] == forward.fallback
+        and forward.variants.nanobatches == (1,)
+    )
 
 
 def test_op_without_rule_ends_the_split_region(fake_pg):
@@ -140,9 +142,9 @@ def test_op_without_rule_ends_the_split_region(fake_pg):
     model = AllReduceMLP(before=lambda h: torch.flip(h, dims=[0]))  # mixes the batch
     forward, _ = _fallback(model, torch.randn(4, 8))
     assert forward.nanobatches == 1
-    assert "no collective stays split" in forward.fallback_reason
-    assert "no placement rule for prims.rev" in forward.fallback_reason
-    assert any(b.reason.startswith("no placement rule for prims.rev") for b in forward.barriers)
+    assert forward.fallback.kind is ReasonKind.NO_SPLIT_COLLECTIVE
+    (barrier,) = forward.barriers
+    assert barrier.kind is ReasonKind.NO_RULE and barrier.node.startswith("rev")
 
 
 def test_random_op_after_the_collective_keeps_the_random_stream(fake_pg):
@@ -150,75 +152,57 @@ def test_random_op_after_the_collective_keeps_the_random_stream(fake_pg):
     model = AllReduceMLP(after=lambda h: F.dropout(h, 0.5, training=True))
     forward, backward = _fallback(model, torch.randn(4, 8), k=2)
     # The mask is drawn once for the whole batch, then sliced per nanobatch.
-    assert (forward.nanobatches, backward.nanobatches) == (2, 2), forward.fallback_reason
+    assert (forward.nanobatches, backward.nanobatches) == (2, 2), forward.fallback
     assert forward.barriers == ()
 
 
 def test_graph_without_collectives_is_not_rewritten(fake_pg):
     torch.manual_seed(0)
-    forward, backward = _fallback(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()), torch.randn(4, 8))
+    forward, _ = _fallback(
+        torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()), torch.randn(4, 8)
+    )
     assert forward.nanobatches == 1
-    assert forward.fallback_reason.startswith("no collective stays split")
+    assert forward.fallback.kind is ReasonKind.NO_SPLIT_COLLECTIVE
     assert forward.partitions == ()
 
 
 def test_memory_of_two_nanobatches(fake_pg):
     """Peak memory grows only by what the extra in-flight buffers explain."""
-    peaks = {}
-    payload = 0
-    real_lower = kareus.backend.lower
-    for k in (1, 2):
-        torch._dynamo.reset()
-        kareus.clear_graph_reports()
-        graphs = []
-
-        def spy(gm, *args, **kwargs):
-            graphs.append(peak_memory_bytes(gm.graph))
-            return real_lower(gm, *args, **kwargs)
-
-        kareus.backend.lower = spy
-        try:
-            model = torch.compile(tp_llama(2), backend="kareus", options={"nanobatches": k, "lowering": "eager"})
-            model(torch.randint(0, 256, (8, 64))).sum().backward()
-        finally:
-            kareus.backend.lower = real_lower
-        peaks[k] = graphs
-        payload = max(c.payload_bytes for r in kareus.graph_reports() for c in r.collectives)
-    ratios = [b / a for a, b in zip(peaks[1], peaks[2])]
-    print(f"peak memory k=2 / k=1: forward {ratios[0]:.3f}, backward {ratios[1]:.3f}")
-    for one, two in zip(peaks[1], peaks[2]):
+    graphs = analysed(tp_llama(2), torch.randint(0, 256, (8, 64)))
+    payload = max(c.payload_bytes for _, a in graphs for c in a.collectives)
+    for g, a in graphs:
+        one, two = (peak_memory_bytes(apply(g.gm, a, decide(a, Policy(k))).graph) for k in (1, 2))
+        print(f"peak memory k=2 / k=1, {g.kind}: {two / one:.3f}")
         # the next nanobatch's collective in flight, and a join's copy of one value
         assert two <= one + 2 * payload
 
 
 def test_variant_space_is_enumerable(fake_pg):
-    model = torch.compile(tp_llama(1), backend="kareus", options={"lowering": "eager"})
-    model(torch.randint(0, 256, (4, 16)))
-    (report,) = kareus.graph_reports()
-    space = report.variants
-    assert space.nanobatches == (1, 2, 4) and report.nanobatches == 1
-    assert all(p.resources == (None,) for p in space.partitions)  # gloo / fake: no CTA knob
-    assert [p.launch_slots for p in space.partitions] == [len(p.slots) + 1 for p in report.partitions]
+    ((_, a),) = analysed(tp_llama(1), torch.randint(0, 256, (4, 16)), backward=False)
+    space = a.space
+    assert space.nanobatches == (1, 2, 4) and set(space.choices) == {2, 4}
+    parts = space.partitions(2)
+    assert all(p.resources == (None,) for p in parts)  # gloo / fake: no CTA knob
+    assert [p.launch_slots for p in parts] == [len(p.slots) + 1 for p in a.partitioning.partitions]
     variants = list(space)
     assert len(variants) == space.size() == len(set(variants))
-    assert variants[0] == Variant(1, (0,) * len(space.partitions), (None,) * len(space.partitions))
+    assert variants[0] == Variant(1, (), ())
     drawn = space.sample(random.Random(0), 4)
-    assert space.schedule(drawn).slots == drawn.slots
-    with pytest.raises(ValueError, match="slot 99"):
-        space.schedule(Variant(2, (99,) * len(space.partitions), drawn.resources))
-    with pytest.raises(ValueError, match="communication resource caps need NCCL"):
-        from kareus.runtime.communicators import capped_group
+    assert space.check(drawn) is drawn
 
-        capped_group(dist.group.WORLD.group_name, 8)
+
+def test_resource_caps_need_nccl(fake_pg):
+    with pytest.raises(CommunicatorError, match="communication resource caps need NCCL"):
+        Communicators().capped(dist.group.WORLD.group_name, 8)
 
 
 def test_split_inputs_of_the_caller_are_never_written(fake_pg):
     """Token ids in a padded (non-dense) tensor: Inductor must not reinplace into them."""
-    model = torch.compile(tp_llama(2), backend="kareus", options={"nanobatches": 4})
+    backend = KareusBackend({"nanobatches": 4})
     tokens = torch.randint(0, 256, (4, 17))[:, :-1]
     before = tokens.clone()
-    model(tokens)
-    assert kareus.graph_reports()[0].nanobatches == 4
+    torch.compile(tp_llama(2), backend=backend)(tokens)
+    assert backend.reports()[0].nanobatches == 4
     assert torch.equal(tokens, before)
 
 
@@ -240,8 +224,12 @@ def test_joined_broadcast_values_keep_a_unit_stride_last_dim():
     attention = aten._scaled_dot_product_flash_attention_for_cpu.default
     x = next(iter(gm.graph.find_nodes(op="placeholder")))
     placements = propagate(gm.graph, {x: Split(0)}, 2, OP_TABLE.without_rule(attention))
-    assert [b.reason for b in placements.barriers] == [f"no placement rule for {attention}"]
-    rewritten = nanobatch_graph(gm, partition_graph(gm.graph, []), [], placements, Schedule(2, (), ()), inputs)
+    assert [(b.kind, b.detail) for b in placements.barriers] == [
+        (ReasonKind.NO_RULE, f"no placement rule for {attention}")
+    ]
+    rewritten = nanobatch_graph(
+        gm, partition_graph(gm.graph, []), [], placements, Schedule(2, (), ()), inputs
+    )
     (joined,) = rewritten.graph.find_nodes(op="call_function", target=attention)
     assert [a.meta["val"].stride(-1) for a in joined.args[:3]] == [1, 1, 1]
     torch.testing.assert_close(rewritten(*inputs), gm(*inputs))
@@ -252,29 +240,13 @@ def test_dynamic_batch_sizes_compile_once_and_say_why_they_are_not_split(fake_pg
     with Inductor), and the report says why the graph runs unrewritten."""
     torch.manual_seed(0)
     model = AllReduceMLP()
-    compiled = torch.compile(model, backend="kareus", dynamic=True, options={"nanobatches": 2, "lowering": "eager"})
+    backend = KareusBackend({"nanobatches": 2, "lowering": "eager"})
+    compiled = torch.compile(model, backend=backend, dynamic=True)
     for batch in (2, 3, 5, 8, 12):
         x = torch.randn(batch, 8)
         torch.testing.assert_close(compiled(x), model(x))
-    (forward,) = [r for r in kareus.graph_reports() if r.kind == "forward"]
-    assert forward.nanobatches == 1 and "symbolic sizes" in forward.fallback_reason
-
-
-def _forward_graph(model, x):
-    """The forward graph AOT autograd hands kareus, and its example inputs."""
-    captured = []
-    real_lower = kareus.backend.lower
-
-    def spy(gm, inputs, *args, **kwargs):
-        captured.append((gm, inputs))
-        return real_lower(gm, inputs, *args, **kwargs)
-
-    kareus.backend.lower = spy
-    try:
-        torch.compile(model, backend="kareus", options={"lowering": "eager"})(x)
-    finally:
-        kareus.backend.lower = real_lower
-    return captured[0]
+    (forward,) = [r for r in backend.reports() if r.kind == "forward"]
+    assert forward.nanobatches == 1 and forward.fallback.kind is ReasonKind.SYMBOLIC_SHAPES
 
 
 def _most_all_gathers_in_flight(graph):
@@ -291,18 +263,19 @@ def _most_all_gathers_in_flight(graph):
 def test_exclusive_collectives_are_never_two_in_flight(fake_pg):
     """gloo corrupts the heap with two all-gathers in flight on one group (torch 2.11-2.14):
     for such a backend each is waited before the next is issued."""
-    from kareus.passes.collectives import find_collectives
-    from kareus.passes.interface import forward_inputs
+    from kareus.passes.analyse import analyse
 
-    gm, inputs = _forward_graph(tp_llama(2, sequence_parallel=True), torch.randint(0, 256, (4, 16)))
-    collectives = find_collectives(gm.graph)
-    placements = propagate(gm.graph, forward_inputs(gm.graph, range(1, len(inputs))), 4, OP_TABLE)
-    schedule = Schedule(4, (0,) * len(collectives), (None,) * len(collectives))
-    graphs = {
-        name: nanobatch_graph(
-            gm, partition_graph(gm.graph, collectives), collectives, placements, schedule, inputs, exclusive
-        ).graph
-        for name, exclusive in [("free", lambda g: frozenset()), ("gloo", lambda g: frozenset({"all_gather"}))]
-    }
+    ((g, _),) = analysed(
+        tp_llama(2, sequence_parallel=True), torch.randint(0, 256, (4, 16)), backward=False
+    )
+    graphs = {}
+    for name, exclusive in [
+        ("free", lambda group: frozenset()),
+        ("gloo", lambda group: frozenset({"all_gather"})),
+    ]:
+        a = analyse(
+            g.gm, g.inputs, g.kind, static_input_idxs=g.static_input_idxs, exclusive=exclusive
+        )
+        graphs[name] = apply(g.gm, a, decide(a, Policy(4))).graph
     assert _most_all_gathers_in_flight(graphs["free"]) > 1
     assert _most_all_gathers_in_flight(graphs["gloo"]) == 1

@@ -4,17 +4,14 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import tp_llama
-
-import kareus
+from conftest import analysed, aot_graphs, tp_llama
 
 LAYERS = 4
 
 
-def _compile_and_run(model, batch=4, seq=16):
-    compiled = torch.compile(model, backend="kareus", options={"lowering": "eager"})
-    compiled(torch.randint(0, 256, (batch, seq))).sum().backward()
-    fw, bw = kareus.graph_reports()
+def _analyses(model, batch=4, seq=16):
+    """The forward and backward analyses of ``model`` on a batch of token ids."""
+    (_, fw), (_, bw) = analysed(model, torch.randint(0, 256, (batch, seq)))
     assert (fw.kind, bw.kind) == ("forward", "backward")
     return fw, bw
 
@@ -28,58 +25,73 @@ def _slot_kinds(partition):
 
 
 def _per_layer(partitions, first, per_layer):
-    return [tuple(p.key for p in partitions[first + per_layer * i : first + per_layer * (i + 1)]) for i in range(LAYERS)]
+    return [
+        tuple(p.key for p in partitions[first + per_layer * i : first + per_layer * (i + 1)])
+        for i in range(LAYERS)
+    ]
 
 
 def test_tensor_parallel_llama(fake_pg):
-    fw, bw = _compile_and_run(tp_llama(LAYERS))
+    fw, bw = _analyses(tp_llama(LAYERS))
     # Embedding (row-wise) and every attention / MLP output projection all-reduce; the
     # column-wise output layer gathers the vocabulary shards.
     assert _kinds(fw) == {"all_reduce": 2 * LAYERS + 1, "all_gather": 1}
     # Backward: the input gradient of each column-wise linear (q, k, v, w1, w3, output)
     # is a partial sum that must be all-reduced.
     assert _kinds(bw) == {"all_reduce": 5 * LAYERS + 1}
-    assert len(fw.partitions) == len(fw.collectives) and len(bw.partitions) == len(bw.collectives)
+    assert len(fw.partitioning.partitions) == len(fw.collectives) and len(
+        bw.partitioning.partitions
+    ) == len(bw.collectives)
 
-    attention, mlp = fw.partitions[3], fw.partitions[4]  # layer 1
-    assert _slot_kinds(attention) == ["memory", "matmul", "matmul", "matmul", "memory", "attention", "matmul"]
+    attention, mlp = fw.partitioning.partitions[3], fw.partitioning.partitions[4]  # layer 1
+    assert _slot_kinds(attention) == [
+        "memory", "matmul", "matmul", "matmul", "memory", "attention", "matmul"
+    ]
     assert _slot_kinds(mlp) == ["memory", "matmul", "matmul", "memory", "matmul"]
     assert [s.label for s in attention.slots][5] == "attn"
 
-    layers = _per_layer(fw.partitions, 1, 2)
+    layers = _per_layer(fw.partitioning.partitions, 1, 2)
     assert len({keys[1] for keys in layers}) == 1, "MLP partitions of all layers share a key"
-    assert len({keys[0] for keys in layers[1:]}) == 1, "attention partitions of layers >= 1 share a key"
+    assert len({keys[0] for keys in layers[1:]}) == 1, (
+        "attention partitions of layers >= 1 share a key"
+    )
     assert layers[0][0] != layers[1][0], "layer 0's attention has no residual add: its own key"
 
     # Backward runs the layers in reverse, five partitions each after the output layer's.
-    bw_layers = _per_layer(bw.partitions, 1, 5)
+    bw_layers = _per_layer(bw.partitioning.partitions, 1, 5)
     assert len(set(bw_layers[1:-1])) == 1, "inner layers' backward partitions share keys"
-    assert any(s.kind == "attention" and s.label == "attn-bwd" for p in bw.partitions for s in p.slots)
-    assert len({p.key for p in bw.partitions}) < len(bw.partitions)
+    assert any(
+        s.kind == "attention" and s.label == "attn-bwd"
+        for p in bw.partitioning.partitions
+        for s in p.slots
+    )
+    assert len({p.key for p in bw.partitioning.partitions}) < len(bw.partitioning.partitions)
 
 
 def test_tensor_and_sequence_parallel_llama(fake_pg):
-    fw, bw = _compile_and_run(tp_llama(LAYERS, sequence_parallel=True))
+    fw, bw = _analyses(tp_llama(LAYERS, sequence_parallel=True))
     # Sequence parallel turns each all-reduce into a reduce-scatter, and each block input
     # is all-gathered; the output layer gathers both its input and its vocabulary shards.
     assert _kinds(fw) == {"reduce_scatter": 2 * LAYERS + 1, "all_gather": 2 * LAYERS + 2}
     assert _kinds(bw) == {"reduce_scatter": 2 * LAYERS + 1, "all_gather": 2 * LAYERS + 1}
-    assert len(fw.partitions) == len(fw.collectives)
+    assert len(fw.partitioning.partitions) == len(fw.collectives)
 
-    layers = _per_layer(fw.partitions, 1, 4)
+    layers = _per_layer(fw.partitioning.partitions, 1, 4)
     assert len(set(layers[1:])) == 1
-    gather, scatter = fw.partitions[5], fw.partitions[6]  # layer 1: norm -> all-gather; attention -> reduce-scatter
-    assert (gather.collective_kind, scatter.collective_kind) == ("all_gather", "reduce_scatter")
+    # layer 1: norm -> all-gather; attention -> reduce-scatter
+    gather, scatter = fw.partitioning.partitions[5], fw.partitioning.partitions[6]
+    assert (gather.collective.kind, scatter.collective.kind) == ("all_gather", "reduce_scatter")
     assert _slot_kinds(gather) == ["memory"]
     assert "attention" in _slot_kinds(scatter)
 
 
 def test_keys_distinguish_shapes(fake_pg):
-    fw_small, _ = _compile_and_run(tp_llama(2), seq=16)
-    kareus.clear_graph_reports()
-    torch._dynamo.reset()
-    fw_large, _ = _compile_and_run(tp_llama(2), seq=32)
-    assert {p.key for p in fw_small.partitions}.isdisjoint({p.key for p in fw_large.partitions})
+    small, _ = _analyses(tp_llama(2), seq=16)
+    large, _ = _analyses(tp_llama(2), seq=32)
+    assert small.key != large.key and small.shape_free_key == large.shape_free_key
+    assert {p.key for p in small.partitioning.partitions}.isdisjoint(
+        {p.key for p in large.partitioning.partitions}
+    )
 
 
 @pytest.mark.parametrize("kind", ["forward", "backward"])
@@ -87,19 +99,8 @@ def test_every_compute_node_is_in_exactly_one_segment(fake_pg, kind):
     from kareus.passes.collectives import find_collectives, is_collective, is_wait
     from kareus.passes.partition import partition_graph
 
-    graphs = []
-
-    def capture(gm, example_inputs, **kwargs):
-        graphs.append(gm)
-        from torch._functorch.aot_autograd import make_boxed_func
-
-        return make_boxed_func(gm.forward)
-
-    from torch._inductor.compile_fx import compile_fx
-
-    model = torch.compile(tp_llama(2), backend=lambda gm, ex: compile_fx(gm, ex, inner_compile=capture))
-    model(torch.randint(0, 256, (4, 16))).sum().backward()
-    graph = graphs[0 if kind == "forward" else 1].graph
+    graphs = aot_graphs(tp_llama(2), torch.randint(0, 256, (4, 16)))
+    graph = graphs[0 if kind == "forward" else 1].gm.graph
     colls = find_collectives(graph)
     result = partition_graph(graph, colls)
     placed = [n for seg in result.segments for n in seg]

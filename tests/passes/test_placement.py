@@ -1,18 +1,12 @@
-"""Placement rules on small traced graphs, and one partition materialised alone."""
+"""Placement rules on small traced graphs."""
 
 import pytest
 import torch
-from conftest import tp_llama
 from torch.fx.experimental.proxy_tensor import make_fx
 
-import kareus
-import kareus.backend
-from kareus.passes.collectives import find_collectives
 from kareus.passes.ops import OP_TABLE
-from kareus.passes.partition import partition_graph
 from kareus.passes.placement import PARTIAL, REPLICATE, Split, Whole, _reshaped, propagate
-from kareus.profiler.workloads import partition_workload
-from kareus.profiler.devices import SimulatedGPU
+from kareus.passes.reasons import Reason, ReasonKind
 
 aten = torch.ops.aten
 
@@ -24,12 +18,13 @@ aten = torch.ops.aten
         ((64, 32), (4, 16, 32), Split(0), 2, Split(0)),  # and split them back
         ((4, 16, 64), (4, 16, 4, 16), Split(0), 4, Split(0)),  # heads
         ((1, 4, 16), (4, 16), Split(1), 2, Split(0)),  # leading 1s do not matter
-        ((16, 4), (64,), Split(1), 2, "reshape merges the split dim into a dim it is not the outer part of"),
-        ((4, 16), (2, 32), Split(0), 4, "reshape splits the split dim in a way nanobatches cannot follow"),
+        ((16, 4), (64,), Split(1), 2, ReasonKind.ALONG_SPLIT_DIM),  # split dim is inner
+        ((4, 16), (2, 32), Split(0), 4, ReasonKind.ALONG_SPLIT_DIM),  # 2 rows for 4 nanobatches
     ],
 )
 def test_reshape_follows_the_split_dim(src, dst, split, k, expected):
-    assert _reshaped(split, src, dst, k) == expected
+    result = _reshaped(split, src, dst, k)
+    assert (result.kind if isinstance(result, Reason) else result) == expected
 
 
 def _placements(fn, *args, split_inputs=(0,), k=2):
@@ -37,6 +32,11 @@ def _placements(fn, *args, split_inputs=(0,), k=2):
     inputs = list(gm.graph.find_nodes(op="placeholder"))
     result = propagate(gm.graph, {inputs[i]: Split(0) for i in split_inputs}, k, OP_TABLE)
     return gm, {n.name: p for n, p in result.placements.items()}, result
+
+
+def _barriers(result):
+    """(node, kind) of every barrier, in graph order."""
+    return [(b.node, b.kind) for b in result.barriers]
 
 
 def test_matmuls_keep_rows_and_turn_split_contractions_into_partial_sums():
@@ -49,8 +49,9 @@ def test_matmuls_keep_rows_and_turn_split_contractions_into_partial_sums():
 def test_sums_over_the_batch_are_partial_other_reductions_are_barriers():
     _, p, result = _placements(lambda x: (x.sum(0) * 2, x.mean(0), x.sum(1)), torch.randn(8, 4))
     assert p["sum_1"] == PARTIAL and p["mul"] == PARTIAL and p["sum_2"] == Split(0)
-    assert isinstance(p["mean"], Whole)
-    assert [b.reason for b in result.barriers] == ["reduction over the split dim"]
+    assert isinstance(p["mean"], Whole) and p["mean"].reason == result.barriers[0]
+    assert _barriers(result) == [("mean", ReasonKind.ALONG_SPLIT_DIM)]
+    assert result.barriers[0].detail == "reduction over the split dim"  # no node name prefix
 
 
 def test_broadcasting_and_replicated_operands():
@@ -61,46 +62,32 @@ def test_broadcasting_and_replicated_operands():
 
 
 def test_partial_sums_only_pass_linear_ops():
-    _, p, result = _placements(lambda x: (x.sum(0) + 1, -x.sum(0)), torch.randn(8, 4))
+    _, p, result = _placements(
+        lambda x: (x.sum(0) + 1, -x.sum(0), x.sum(0) * x.sum(0)), torch.randn(8, 4)
+    )
     assert isinstance(p["add"], Whole) and p["neg"] == PARTIAL
-    assert [b.reason for b in result.barriers] == ["partial sum plus a replicated value"]
+    assert _barriers(result) == [("add", ReasonKind.PARTIAL_SUM), ("mul", ReasonKind.PARTIAL_SUM)]
 
 
-def test_partition_alone_runs_and_costs_on_one_nanobatch(fake_pg):
-    model = torch.compile(tp_llama(2), backend="kareus", options={"lowering": "eager"})
-    graphs = []
-    real_lower = kareus.backend.lower
-
-    def spy(gm, *args, **kwargs):
-        graphs.append(gm)
-        return real_lower(gm, *args, **kwargs)
-
-    kareus.backend.lower = spy
-    try:
-        model(torch.randint(0, 256, (4, 16)))
-    finally:
-        kareus.backend.lower = real_lower
-    graph = graphs[0].graph
-    from kareus.passes.interface import forward_inputs
-
-    (report,) = kareus.graph_reports()
-    collectives = find_collectives(graph)
-    partitioning = partition_graph(graph, collectives)
-    placements = propagate(graph, forward_inputs(graph, _static_inputs(graph)), 2, OP_TABLE)
-    mlp = partitioning.partitions[4]
-    gpu = SimulatedGPU("sim:h200")
-    times = []
-    for slot in (0, len(mlp.slots)):
-        workload = partition_workload(mlp, placements, 2, slot, world_size=2)
-        waited, *rest = workload.run()
-        assert waited.shape == (2, 16, 64)  # the other nanobatch's all-reduce: half the batch
-        times.append(gpu.measure(workload, gpu.search_clocks()[0]).time_s)
-    assert times[0] < times[1], "issuing the collective first hides it behind the compute"
+def test_batch_varying_operands_that_are_not_split_end_the_region():
+    """A bias with one row per sample, given whole, where the rule cannot slice it."""
+    x, w, per_row = torch.randn(8, 4), torch.randn(4, 3), torch.randn(8, 3)
+    _, _, result = _placements(torch.addmm, per_row, x, w, split_inputs=(1,))
+    assert _barriers(result) == [("addmm", ReasonKind.BATCH_VARYING_OPERAND)]
+    # after a concatenation along the split dim, a whole value cannot be sliced like it
+    _, _, result = _placements(lambda x, r: torch.cat([x, x]) + r, x, torch.randn(16, 4))
+    assert _barriers(result) == [("add", ReasonKind.BATCH_VARYING_OPERAND)]
 
 
-def _static_inputs(graph):
-    """Parameters: every input but the tokens (the first) in this model's forward."""
-    return list(range(1, len(list(graph.find_nodes(op="placeholder")))))
+def test_operands_split_along_different_dims():
+    x = torch.randn(4, 4)
+    _, _, result = _placements(lambda x, y: x + y.t(), x, x, split_inputs=(0, 1))
+    assert _barriers(result) == [("add", ReasonKind.OPERANDS_SPLIT_APART)]
+
+
+def test_random_ops_and_ops_without_a_rule_run_on_the_whole_batch():
+    _, _, result = _placements(lambda x: (torch.rand_like(x), x.flip(1)), torch.randn(4, 4))
+    assert _barriers(result) == [("rand_like", ReasonKind.RANDOM), ("flip", ReasonKind.NO_RULE)]
 
 
 @pytest.mark.parametrize("mask_batch", [1, 4], ids=["broadcast-mask", "per-sample-mask"])
@@ -142,13 +129,17 @@ def test_gather_by_split_ids_and_padding_off_the_split_dim():
         split_inputs=(0, 1),
     )
     assert p["constant_pad_nd"] == Split(0) and p["gather"] == Split(0) and result.barriers == ()
-    _, p, result = _placements(lambda y: torch.nn.functional.pad(y, (0, 0, 1, 0)), torch.randn(4, 3))
-    assert [b.reason for b in result.barriers] == ["padding along the split dim"]
+    _, p, result = _placements(
+        lambda y: torch.nn.functional.pad(y, (0, 0, 1, 0)), torch.randn(4, 3)
+    )
+    assert _barriers(result) == [("constant_pad_nd", ReasonKind.ALONG_SPLIT_DIM)]
 
 
 def test_table_rows_picked_by_split_positions():
     """A frequency table indexed by (split) positions, torchtitan 0.3's RoPE."""
-    _, p, _ = _placements(lambda pos, t: t.index_select(0, pos), torch.arange(4), torch.randn(16, 8))
+    _, p, _ = _placements(
+        lambda pos, t: t.index_select(0, pos), torch.arange(4), torch.randn(16, 8)
+    )
     assert p["index_select"] == Split(0)
 
 
@@ -184,13 +175,17 @@ def _meta(*shape):
             ),
         ),
         (
-            lambda q, k, v: aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, True),
+            lambda q, k, v: aten._scaled_dot_product_efficient_attention(
+                q, k, v, None, True, 0.0, True
+            ),
             lambda g, q, k, v, o, lse, f: aten._scaled_dot_product_efficient_attention_backward(
                 g, q, k, v, None, o, lse, f[2], f[3], 0.0, [True, True, True, False], True
             ),
         ),
         (
-            lambda q, k, v: aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True),
+            lambda q, k, v: aten._scaled_dot_product_cudnn_attention(
+                q, k, v, None, True, 0.0, True
+            ),
             lambda g, q, k, v, o, lse, f: aten._scaled_dot_product_cudnn_attention_backward(
                 g, q, k, v, o, lse, f[6], f[7], None, f[2], f[3], 8, 8, 0.0, True
             ),
@@ -213,6 +208,17 @@ def test_gpu_attention_kernels_split_forward_and_backward(forward, backward):
     assert result.barriers == ()
 
 
+def test_a_barrier_reading_a_per_nanobatch_value_says_so_and_keeps_its_kind():
+    """An attention kernel's seed, read by an op without a rule: joining it keeps one copy."""
+    q = _meta(4, 2, 8, 16)
+    _, _, result = _placements(
+        lambda q: aten._scaled_dot_product_flash_attention(q, q, q, 0.0, True)[6].flip(0), q
+    )
+    (barrier,) = result.barriers
+    assert barrier.kind is ReasonKind.NO_RULE
+    assert barrier.detail.endswith("it consumes a per-nanobatch value that cannot be joined")
+
+
 def test_index_unbind_stack_and_ops_along_another_dim():
     """x[:, idx] with replicated ids; unbind / stack / cumsum / topk off the split dim."""
     x, idx = torch.randn(4, 6, 8), torch.tensor([0, 2, 5])
@@ -227,7 +233,7 @@ def test_index_unbind_stack_and_ops_along_another_dim():
     assert p["topk"] == (Split(0), Split(0)) and p["sort"] == (Split(0), Split(0))
     assert result.barriers == ()
     _, _, result = _placements(lambda x: x.cumsum(0), x)
-    assert [b.node for b in result.barriers] == ["cumsum"]
+    assert _barriers(result) == [("cumsum", ReasonKind.ALONG_SPLIT_DIM)]
 
 
 def test_select_backward_writes_split_rows():

@@ -11,10 +11,12 @@ from kareus.profiler.devices import GPUSpec, SimulatedGPU, load_preset, preset_n
 from kareus.profiler.devices.presets import COLLECTIVE_KINDS, PRESETS
 
 
+@pytest.mark.regression
 def test_preset_names():
     assert preset_names() == ("sim:a100-sxm4-40gb", "sim:h100-sxm", "sim:h200")
 
 
+@pytest.mark.regression
 def test_a100_clocks_are_the_methods():
     gpu = SimulatedGPU("sim:a100-sxm4-40gb")
     assert gpu.supported_clocks() == tuple(range(1410, 209, -15))
@@ -37,6 +39,7 @@ def test_every_preset_is_consistent(name):
     assert set(spec.bus_bytes_per_s) == set(COLLECTIVE_KINDS)
 
 
+@pytest.mark.fidelity
 def test_derived_sustained_clocks_match_the_published_ones():
     # CALIBRATION: A100 DGEMM at 400 W sustains about 1305 MHz (thonking.ai's random-input
     # bf16 8192^3 implies ~1233); H200 sustains about 1500 MHz under heavy load.

@@ -325,7 +325,7 @@ def first_barrier_text(report) -> str:
     if coverage is None:
         return "-"
     barrier = coverage.first_barrier
-    return "none" if barrier is None else f"{barrier.node}: {barrier.reason}"
+    return "none" if barrier is None else f"{barrier} ({barrier.kind.value})"
 
 
 def graph_line(result: ZooResult, report) -> str:
@@ -334,7 +334,7 @@ def graph_line(result: ZooResult, report) -> str:
         f"{result.model} {options_label(result.options)} {report.kind}: "
         f"k={report.nanobatches} split {coverage_text(report)}, "
         f"first barrier {first_barrier_text(report)}, "
-        f"fallback {report.fallback_reason or '-'}"
+        f"fallback {report.fallback or '-'}"
     )
 
 

@@ -101,5 +101,5 @@ def test_trains_like_eager(model, options):
             total = sum(g.coverage.total for g in graphs)
             assert graphs and split >= COVERAGE_TARGET * total, f"{kind}: {split}/{total} split"
             assert all(g.nanobatches == options["nanobatches"] for g in graphs), [
-                (g.label, g.fallback_reason) for g in graphs
+                (g.label, g.fallback) for g in graphs
             ]

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch.fx
 
@@ -36,7 +37,9 @@ class Measurement:
     static_power_w: float
     clock_mhz: int
     method: str
-    comm_sms: int | None = None
+    resources: tuple[tuple[str, int], ...] = ()
+    """The SM caps the collectives ran with, as (issuing node, SMs) in issue order; one not
+    named ran on the library's default. ``dict(resources)`` measures under them again."""
     details: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -49,10 +52,20 @@ class Measurement:
         return self.energy_j / self.time_s if self.time_s > 0 else 0.0
 
 
+Resources = Mapping[str, int | None]
+"""SM (CTA) cap per collective, keyed by the name of its issuing node in ``Workload.gm``
+(e.g. "all_reduce_3"); a missing key or None means the library's default."""
+
+
 class Device(abc.ABC):
     """A GPU the profiler can measure on and whose SM clock a controller can set."""
 
     name: str
+
+    controls_clocks: ClassVar[bool] = False
+    """Whether the ``kareus::set_clock`` calls of compiled graphs running in this process
+    should drive :meth:`clock_controller`: true only for a device that is the GPU this
+    process runs on. A model's controller only records switches for planning."""
 
     @abc.abstractmethod
     def supported_clocks(self) -> tuple[int, ...]:
@@ -69,13 +82,20 @@ class Device(abc.ABC):
 
     @abc.abstractmethod
     def measure(
-        self, workload: Workload, clock_mhz: int, *, comm_sms: int | None = None
+        self, workload: Workload, clock_mhz: int, *, resources: Resources | None = None
     ) -> Measurement:
         """Time and energy of one execution of ``workload`` at ``clock_mhz``.
 
-        ``comm_sms`` caps the SMs given to collectives (None: the library's default);
-        devices without that knob reject a value other than None.
+        ``resources`` caps the SMs of individual collectives (see :data:`Resources`).
+        Raises ``UnsupportedClockError`` for a clock the device does not accept and
+        ``UnsupportedMeasurementError`` for a cap it cannot apply.
         """
+
+    def estimate(self, gm: torch.fx.GraphModule, world_size: int = 1) -> Measurement | None:
+        """Time and energy of one execution of ``gm`` at the default clock (the first
+        search clock), from its tensor metadata alone: None where the device can only
+        measure by running the graph (a real GPU)."""
+        return None
 
     @abc.abstractmethod
     def clock_controller(self) -> ClockController:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kareus.errors import KareusError
+
 SIMULATED_ALTERNATIVE = 'run on a simulated GPU instead, e.g. device="sim:h200"'
 DRY_RUN_HINT = (
     'or use device="nvml-dry-run" to measure on this GPU at its default clocks while only '
@@ -20,8 +22,11 @@ def nvml_error_code(exc: BaseException) -> int | None:
     return getattr(exc, "value", None)
 
 
-class DeviceError(RuntimeError):
-    """Base of every error raised while opening, measuring on or controlling a device."""
+class DeviceError(KareusError, RuntimeError):
+    """Base of every error raised while opening, measuring on or controlling a device.
+
+    A ``RuntimeError`` too, so callers written before ``KareusError`` still catch it.
+    """
 
 
 class NvmlUnavailableError(DeviceError):
@@ -71,14 +76,14 @@ class MigClockControlError(DeviceError):
 
 
 class UnsupportedClockError(DeviceError, ValueError):
-    """A requested SM clock is not one the GPU accepts at its current memory clock."""
+    """A requested SM clock is not one the device accepts (a real GPU: at its memory clock)."""
 
     def __init__(self, gpu: str, mhz: int, supported: Sequence[int]) -> None:
         nearest = min(supported, key=lambda clock: (abs(clock - mhz), -clock))
         super().__init__(
             f"{mhz} MHz is not a supported SM clock of {gpu}: it accepts {len(supported)} "
-            f"values from {min(supported)} to {max(supported)} MHz (nearest: {nearest} MHz), "
-            "or 0 for the default clocks. Pick clocks from Device.supported_clocks()."
+            f"values from {min(supported)} to {max(supported)} MHz (nearest: {nearest} MHz). "
+            "Pick clocks from Device.supported_clocks()."
         )
 
 
@@ -111,7 +116,11 @@ class EnergyUnavailableError(DeviceError):
 
 
 class UnsupportedMeasurementError(DeviceError, NotImplementedError):
-    """The device lacks a knob the caller asked for."""
+    """The device cannot apply a knob setting the caller asked for: it lacks the knob, or
+    the value is outside what the device (or the workload) offers."""
+
+    def __init__(self, device: str, knob: str, reason: str) -> None:
+        super().__init__(f"{device} cannot measure with {knob}: {reason}")
 
 
 class DeviceSpecError(DeviceError, ValueError):

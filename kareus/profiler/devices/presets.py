@@ -231,19 +231,19 @@ def _knee(max_mhz: int, step: int) -> int:
 # ---------------------------------------------------------------------------------------
 
 # Constants every preset shares; each is defined and cited above.
-_SHARED = dict(
-    gemm_efficiency=_GEMM_EFFICIENCY,
-    kernel_floor_s=_KERNEL_FLOOR_S,
-    memory_clock_sensitivity=_MEMORY_CLOCK_SENSITIVITY,
-    hbm_pj_per_bit=_HBM_PJ_PER_BIT,
-    v_floor=_V_FLOOR,
-    v_max=_V_MAX,
-    memory_sm_activity=_MEMORY_SM_ACTIVITY,
-    min_switch_interval_s=_MIN_SWITCH_INTERVAL_S,
-    default_comm_sms=_NCCL_CHANNELS,
-    nccl_buffer_bytes=_NCCL_BUFFER_BYTES,
-    comm_hbm_bytes_per_bus_byte=_COMM_HBM_BYTES_PER_BUS_BYTE,
-)
+_SHARED = {
+    "gemm_efficiency": _GEMM_EFFICIENCY,
+    "kernel_floor_s": _KERNEL_FLOOR_S,
+    "memory_clock_sensitivity": _MEMORY_CLOCK_SENSITIVITY,
+    "hbm_pj_per_bit": _HBM_PJ_PER_BIT,
+    "v_floor": _V_FLOOR,
+    "v_max": _V_MAX,
+    "memory_sm_activity": _MEMORY_SM_ACTIVITY,
+    "min_switch_interval_s": _MIN_SWITCH_INTERVAL_S,
+    "default_comm_sms": _NCCL_CHANNELS,
+    "nccl_buffer_bytes": _NCCL_BUFFER_BYTES,
+    "comm_hbm_bytes_per_bus_byte": _COMM_HBM_BYTES_PER_BUS_BYTE,
+}
 
 A100_SXM4_40GB = GPUSpec(
     **_SHARED,
@@ -376,8 +376,8 @@ def spec_from_json(path: str | os.PathLike[str]) -> GPUSpec:
             data = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"cannot read GPU spec {os.fspath(path)!r}: {e}") from e
-    if not isinstance(data, dict):
-        raise ValueError(f"GPU spec {os.fspath(path)!r} must be a JSON object")
+    if not isinstance(data, dict):  # bad file content, not a bad argument: ValueError
+        raise ValueError(f"GPU spec {os.fspath(path)!r} must be a JSON object")  # noqa: TRY004
     base_name = data.pop("base", None)
     unknown = sorted(set(data) - set(_FIELDS))
     if unknown:

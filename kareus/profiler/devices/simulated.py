@@ -13,7 +13,8 @@ SM clock f on a share s of the SMs, getting HBM bandwidth b (at most the capacit
     t_i = max(t_c, kernel_floor, B / b)
 
 Collective on a group of n (bus bytes D = S 2(n-1)/n for all-reduce, S (n-1)/n for the
-others, as nccl-tests count them), with k SMs, and HBM traffic h D::
+others, as nccl-tests count them), with k SMs (its own cap, else NCCL's default), and HBM
+traffic h D::
 
     t = steps * ring_step_latency + (D + min(D, n * nccl_buffer)) / (busbw * min(1, k / k_sat))
 
@@ -41,7 +42,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -50,14 +51,15 @@ import torch.fx
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
-from kareus.runtime.clock import DEFAULT_CLOCK_MHZ, ClockSwitch, RecordingClockController
-from kareus.runtime.ops import set_clock
 from kareus.passes.collectives import WAIT_OP, find_collectives, size_hint
 from kareus.passes.collectives import Collective as CollectiveRecord
 from kareus.passes.ops import facts_of
 from kareus.passes.schema import arguments
-from kareus.profiler.devices.base import Device, Measurement, Workload
+from kareus.profiler.devices.base import Device, Measurement, Resources, Workload
+from kareus.profiler.devices.errors import UnsupportedClockError, UnsupportedMeasurementError
 from kareus.profiler.devices.presets import TENSOR_TIME_SCALE, GPUSpec, load_preset
+from kareus.runtime.clock import DEFAULT_CLOCK_MHZ, ClockSwitch, RecordingClockController
+from kareus.runtime.ops import set_clock
 
 aten = torch.ops.aten
 
@@ -228,27 +230,34 @@ def _fair_share(d1: float, w1: float, d2: float, w2: float, cap: float) -> tuple
 
 
 class _Evaluator:
-    """Evaluates one GraphCost at many clocks, caching rates and power caps across them."""
+    """Evaluates one GraphCost at many clocks, caching rates and power caps across them.
 
-    def __init__(self, spec: GPUSpec, cost: GraphCost, comm_sms: int) -> None:
+    ``caps`` maps collective names to their SM caps (validated); others get the default.
+    """
+
+    def __init__(self, spec: GPUSpec, cost: GraphCost, caps: Mapping[str, int]) -> None:
         self.spec = spec
         self.cost = cost
-        self.comm_sms = comm_sms
         self.clocks = spec.supported_clocks()[::-1]  # ascending, for the cap search
         self.sm_coeff = spec.sm_power_coeff
         self.hbm_j_per_byte = spec.hbm_pj_per_bit * 8e-12
-        link = min(1.0, comm_sms / spec.saturating_comm_sms)
-        self.link_bytes_per_s = {k: bw * link for k, bw in spec.bus_bytes_per_s.items()}
-        # Link-limited duration and HBM traffic of each collective (clock-independent).
+        # Per collective: its SMs, its bus bandwidth with them, and its link-limited
+        # duration and HBM traffic (all clock-independent).
+        self.sms = [caps.get(c.name, spec.default_comm_sms) for c in cost.collectives]
+        self.link_bytes_per_s = [
+            spec.bus_bytes_per_s[c.kind] * min(1.0, sms / spec.saturating_comm_sms)
+            for c, sms in zip(cost.collectives, self.sms, strict=True)
+        ]
         self.comm = [
             (
                 c.steps * spec.ring_step_latency_s
                 + (c.bus_bytes + min(c.bus_bytes, c.group_size * spec.nccl_buffer_bytes))
-                / self.link_bytes_per_s[c.kind],
+                / link,
                 c.bus_bytes * spec.comm_hbm_bytes_per_bus_byte,
             )
-            for c in cost.collectives
+            for c, link in zip(cost.collectives, self.link_bytes_per_s, strict=True)
         ]
+        self.resources = tuple((c.name, caps[c.name]) for c in cost.collectives if c.name in caps)
         self._rates: dict[tuple[int | None, int | None, float], _Interval] = {}
         self._caps: dict[tuple[int | None, int | None], float] = {}
 
@@ -261,7 +270,7 @@ class _Evaluator:
     def _compute_rates(self, kernel: int | None, comm: int | None, mhz: float) -> _Interval:
         spec = self.spec
         sms = spec.sm_count
-        k = self.comm_sms if comm is not None else 0
+        k = self.sms[comm] if comm is not None else 0
         share = (sms - k) / sms
         slow = 1.0 + spec.memory_clock_sensitivity * (spec.max_clock_mhz / mhz - 1.0)
         hbm_max = spec.hbm_efficiency * spec.hbm_bytes_per_s
@@ -287,7 +296,7 @@ class _Evaluator:
         if comm is not None:
             comm_s = max(u_m, hbm_m / bw_m) if hbm_m else u_m
             coll = self.cost.collectives[comm]
-            bus_rate = coll.bus_bytes / comm_s / self.link_bytes_per_s[coll.kind]
+            bus_rate = coll.bus_bytes / comm_s / self.link_bytes_per_s[comm]
             activity += k / sms * spec.memory_sm_activity * bus_rate
             hbm_rate += hbm_m / comm_s
         dynamic = activity * self.sm_coeff * mhz * spec.voltage(mhz) ** 2
@@ -442,7 +451,7 @@ class _Timeline:
             static_power_w=spec.static_power_w,
             clock_mhz=self.requested,
             method="simulated",
-            comm_sms=self.ev.comm_sms,
+            resources=self.ev.resources,
             details={
                 "compute_s": self.compute_s,
                 "comm_s": self.comm_s,
@@ -458,11 +467,13 @@ class _Timeline:
 
 
 def _check_clock(spec: GPUSpec, mhz: int) -> None:
-    if mhz not in spec.supported_clocks():
-        raise ValueError(
-            f"{spec.name} does not support an SM clock of {mhz} MHz: supported are "
-            f"{spec.min_clock_mhz}..{spec.max_clock_mhz} MHz in {spec.clock_step_mhz} MHz steps"
-        )
+    supported = spec.supported_clocks()
+    if mhz not in supported:
+        raise UnsupportedClockError(spec.name, mhz, supported)
+
+
+def _is_sm_count(value: object, sm_count: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 < value < sm_count
 
 
 # ---------------------------------------------------------------------------------------
@@ -487,34 +498,53 @@ class SimulatedGPU(Device):
         return self.spec.static_power_w
 
     def clock_controller(self) -> RecordingClockController:
-        """Records the switches a plan makes; :meth:`switch_overhead` prices them."""
+        """Records the switches a plan makes; :meth:`switch_overhead` prices them. It
+        stands for no GPU of this process (``controls_clocks`` is False)."""
         return self._controller
 
     def measure(
-        self, workload: Workload, clock_mhz: int, *, comm_sms: int | None = None
+        self, workload: Workload, clock_mhz: int, *, resources: Resources | None = None
     ) -> Measurement:
-        return self.sweep(workload, (clock_mhz,), comm_sms=comm_sms)[clock_mhz]
+        return self.sweep(workload, (clock_mhz,), resources=resources)[clock_mhz]
+
+    def estimate(self, gm: torch.fx.GraphModule, world_size: int = 1) -> Measurement:
+        workload = Workload("estimate", gm, world_size=world_size)
+        return self.measure(workload, self.search_clocks()[0])
 
     def sweep(
         self,
         workload: Workload | GraphCost,
         clocks: Iterable[int] | None = None,
         *,
-        comm_sms: int | None = None,
+        resources: Resources | None = None,
     ) -> dict[int, Measurement]:
         """Measure at many clocks (default: the search clocks), costing the graph once."""
         clocks = tuple(self.search_clocks() if clocks is None else clocks)
         for mhz in clocks:
             _check_clock(self.spec, mhz)
-        sms = self.spec.default_comm_sms if comm_sms is None else comm_sms
-        if isinstance(sms, bool) or not isinstance(sms, int) or not 0 < sms < self.spec.sm_count:
-            raise ValueError(
-                f"comm_sms must be an integer in 1..{self.spec.sm_count - 1} on {self.name}, "
-                f"got {comm_sms!r}"
-            )
         cost = workload if isinstance(workload, GraphCost) else self._cost(workload)
-        evaluator = _Evaluator(self.spec, cost, sms)
+        evaluator = _Evaluator(self.spec, cost, self._caps(cost, resources or {}))
         return {mhz: evaluator.run(mhz) for mhz in clocks}
+
+    def _caps(self, cost: GraphCost, resources: Resources) -> dict[str, int]:
+        """The caps given (None: default, dropped), each naming a collective of the graph
+        and leaving compute at least one SM."""
+        names = [c.name for c in cost.collectives]
+        for name, sms in resources.items():
+            if name not in names:
+                raise UnsupportedMeasurementError(
+                    self.name,
+                    f"resources[{name!r}]",
+                    f"{name!r} issues no collective of the graph; its collectives are "
+                    f"{', '.join(names) or 'none'}",
+                )
+            if sms is not None and not _is_sm_count(sms, self.spec.sm_count):
+                raise UnsupportedMeasurementError(
+                    self.name,
+                    f"resources[{name!r}]={sms!r}",
+                    f"an SM cap must be an integer in 1..{self.spec.sm_count - 1}",
+                )
+        return {name: sms for name, sms in resources.items() if sms is not None}
 
     @staticmethod
     def _cost(workload: Workload) -> GraphCost:

@@ -1,0 +1,171 @@
+"""Stage 1 of 3 (analyse -> decide -> apply): everything about a graph that no decision changes.
+
+``analyse`` finds the collectives, cuts the graph into partitions, propagates placements
+for every nanobatch count, says which counts apply and why the others do not, and builds
+the variant space. It is pure: no device, no collective call, no process group created.
+Its result keys everything later stages store (profiles, plans, caches) by the graph's
+structural hash, identical on every rank and across runs of the same program.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+
+from kareus.passes.collectives import Collective, find_collectives
+from kareus.passes.interface import (
+    ForwardInterface,
+    backward_inputs,
+    forward_inputs,
+    record_forward,
+)
+from kareus.passes.nanobatch import NanobatchRewrite
+from kareus.passes.ops import OP_TABLE, OpTable
+from kareus.passes.partition import GraphPartitioning, graph_hash, partition_graph
+from kareus.passes.placement import PlacementResult, Split, per_nanobatch, propagate
+from kareus.passes.reasons import Reason, ReasonKind
+from kareus.passes.variants import NANOBATCH_COUNTS, VariantSpace, variant_space
+from kareus.runtime.communicators import exclusive_kinds
+
+GRAPH_KINDS = ("forward", "backward", "inference")
+
+ForwardInterfaces = Mapping[int, ForwardInterface]
+"""What a forward tells its backward, per nanobatch count."""
+
+
+@dataclass(frozen=True)
+class GraphAnalysis:
+    label: str  # for display and clock-switch records ("r0/forward"); not an identity
+    kind: str  # "forward" | "backward" | "inference"
+    key: str  # structural hash (ops, shapes, dtypes, groups): what stored results are keyed by
+    shape_free_key: str  # the same without shapes: ranks whose data decides sizes still match
+    num_nodes: int
+    example_inputs: tuple[Any, ...]
+    collectives: tuple[Collective, ...]
+    partitioning: GraphPartitioning
+    placements: Mapping[int, PlacementResult]  # per count k > 1
+    space: VariantSpace
+    interfaces: ForwardInterfaces  # forward graphs: what their backward needs, per k > 1
+    exclusive: Mapping[str, frozenset[str]]  # group -> collective kinds never two in flight
+    rewrites: dict[int, NanobatchRewrite] = field(
+        default_factory=dict, compare=False, repr=False
+    )  # the k-way emitted graphs ``apply`` materialises variants from (a cache)
+
+    def placements_at(self, k: int) -> PlacementResult:
+        """What ``k`` nanobatches split (k = 1 reports what k = 2 would)."""
+        return self.placements[max(k, 2)]
+
+
+def analyse(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    kind: str,
+    forward: ForwardInterfaces | None = None,
+    *,
+    static_input_idxs: Sequence[int] = (),
+    label: str | None = None,
+    table: OpTable = OP_TABLE,
+    exclusive: Callable[[str], frozenset[str]] = exclusive_kinds,
+) -> GraphAnalysis:
+    """Analyse ``gm`` (an AOT graph with ``node.meta["val"]``) of the given ``kind``.
+
+    ``forward``: for a backward graph, the ``interfaces`` of its forward's analysis;
+    ``static_input_idxs``: for a forward, its parameters and buffers (as Inductor passes them).
+    """
+    if kind not in GRAPH_KINDS:
+        raise ValueError(f"kind must be one of {GRAPH_KINDS}, got {kind!r}")
+    graph = gm.graph
+    collectives = tuple(find_collectives(graph))
+    partitioning = partition_graph(graph, collectives)
+    symbolic = symbolic_shapes(graph)
+    placements, infeasible = {}, {}
+    for k in NANOBATCH_COUNTS[1:]:
+        if symbolic:
+            # Placement reads sizes; on symbolic ones that would add guards and specialise
+            # the graph (a recompile per batch size), so such a graph is not split at all.
+            inputs: dict = {}
+        elif kind == "backward":
+            inputs = backward_inputs(graph, forward.get(k) if forward else None)
+        else:
+            inputs = forward_inputs(graph, static_input_idxs)
+        placements[k] = propagate(graph, inputs, k, table)
+        why = symbolic or feasibility(graph, placements[k], k, collectives)
+        if why:
+            infeasible[k] = why
+    interfaces = (
+        {k: record_forward(graph, result) for k, result in placements.items()}
+        if kind == "forward"
+        else {}
+    )
+    return GraphAnalysis(
+        label=label or kind,
+        kind=kind,
+        key=graph_hash(graph),
+        shape_free_key=graph_hash(graph, shapes=False),
+        num_nodes=len(graph.nodes),
+        example_inputs=tuple(example_inputs),
+        collectives=collectives,
+        partitioning=partitioning,
+        placements=placements,
+        space=variant_space(partitioning, placements, infeasible),
+        interfaces=interfaces,
+        exclusive={c.group_name: exclusive(c.group_name) for c in collectives},
+    )
+
+
+def symbolic_shapes(graph: torch.fx.Graph) -> Reason | None:
+    """Why ``graph`` is not split because its inputs have symbolic sizes (None: they don't)."""
+    for node in graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        if isinstance(val, torch.SymInt) or (
+            isinstance(val, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in val.shape)
+        ):
+            return Reason(
+                ReasonKind.SYMBOLIC_SHAPES,
+                node.name,
+                "symbolic sizes (dynamic shapes): kareus splits only graphs of static shapes, "
+                "so that it never specialises a dynamic graph",
+            )
+    return None
+
+
+def feasibility(
+    graph: torch.fx.Graph, result: PlacementResult, k: int, collectives: Sequence[Collective]
+) -> Reason | None:
+    """Why ``k`` nanobatches cannot apply to ``graph`` (None when they can)."""
+    split_inputs = [
+        n for n in graph.find_nodes(op="placeholder") if isinstance(result.placements[n], Split)
+    ]
+    if not split_inputs:
+        return Reason(ReasonKind.NO_SPLIT_INPUT, None, "no graph input is split along a batch dim")
+    for node, p in result.placements.items():
+        for q in p if isinstance(p, tuple) else (p,):
+            if isinstance(q, Split) and node.op != "output":
+                size = _split_size(node, p, q)
+                if size is not None and size % (k * q.blocks):
+                    blocks = f" x {q.blocks} blocks" if q.blocks > 1 else ""
+                    return Reason(
+                        ReasonKind.NOT_DIVISIBLE,
+                        node.name,
+                        f"dim {q.dim} of size {size} does not divide into {k} nanobatches{blocks}",
+                    )
+    if not any(per_nanobatch(result.placements[c.node]) for c in collectives):
+        first = result.barriers[0] if result.barriers else None
+        why = f" (the split region ends at {first})" if first else ""
+        return Reason(
+            ReasonKind.NO_SPLIT_COLLECTIVE,
+            None,
+            f"no collective stays split, so nothing could overlap{why}",
+        )
+    return None
+
+
+def _split_size(node: torch.fx.Node, p: object, q: Split) -> int | None:
+    val = node.meta.get("val")
+    if isinstance(p, tuple):
+        val = val[p.index(q)] if isinstance(val, (list, tuple)) else None
+    return int(val.shape[q.dim]) if isinstance(val, torch.Tensor) else None

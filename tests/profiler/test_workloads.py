@@ -1,0 +1,20 @@
+"""One partition materialised alone, as the profiler measures it."""
+
+import torch
+from conftest import analysed, tp_llama
+
+from kareus.profiler.devices import SimulatedGPU
+from kareus.profiler.workloads import partition_workload
+
+
+def test_partition_alone_runs_and_costs_on_one_nanobatch(fake_pg):
+    ((_, a),) = analysed(tp_llama(2), torch.randint(0, 256, (4, 16)), backward=False)
+    mlp = a.partitioning.partitions[4]
+    gpu = SimulatedGPU("sim:h200")
+    times = []
+    for slot in (0, len(mlp.slots)):
+        workload = partition_workload(mlp, a.placements[2], 2, slot, world_size=2)
+        waited, *_ = workload.run()
+        assert waited.shape == (2, 16, 64)  # the other nanobatch's all-reduce: half the batch
+        times.append(gpu.measure(workload, gpu.search_clocks()[0]).time_s)
+    assert times[0] < times[1], "issuing the collective first hides it behind the compute"
