@@ -2,12 +2,14 @@
 
 A search materialises hundreds of variants of one graph. This captures one layer's forward
 and backward graphs as AOT autograd hands them to Inductor (TP8 on a fake process group,
-over fake tensors: only the graph structure matters), draws random launch slots per
-partition at k = 2 and 4 nanobatches, and materialises each variant twice:
+over fake tensors: only the graph structure matters), analyses each once, draws random
+variants (a launch slot per partition) at k = 2 and 4 nanobatches with
+``VariantSpace.sample``, and applies each as the pipeline does (``passes.apply``: the
+rewrite and the clock switch):
 
-- before: ``nanobatch_graph`` per variant (emission and fake-tensor propagation each time);
-- after: one ``NanobatchRewrite`` per graph and k (its first ``materialise`` propagates),
-  then ``materialise`` per variant (metadata copied from the first).
+- before: without the k-way cache (``analysis.rewrites`` emptied before every variant:
+  emission and whole-graph fake-tensor propagation each time, as before the cache);
+- after: with it (the first variant of a graph and k propagates, the others copy).
 
 Both leave Python code generation to the graph's first use; ``code (ms)`` is what that
 costs, once per graph that is run or printed, whichever path made it. Times are taken with
@@ -27,7 +29,6 @@ import random
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,81 +42,66 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch._inductor.compile_fx import compile_fx
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from kareus.passes.collectives import find_collectives
-from kareus.passes.interface import backward_inputs, forward_inputs, record_forward
-from kareus.passes.nanobatch import NanobatchRewrite, Schedule, nanobatch_graph
-from kareus.passes.ops import OP_TABLE
-from kareus.passes.partition import GraphPartitioning, partition_graph
-from kareus.passes.placement import PlacementResult, per_nanobatch, propagate
+from kareus.passes.analyse import GraphAnalysis, analyse
+from kareus.passes.apply import apply
+from kareus.passes.decide import Decision
 
 
-@dataclass(frozen=True)
-class Captured:
-    gm: torch.fx.GraphModule
-    inputs: tuple[Any, ...]
-    kwargs: dict[str, Any]
-
-
-def capture_layer(tp: int, batch: int, seq: int) -> tuple[Captured, Captured]:
-    """The forward and backward graphs of one layer, as Inductor's inner compiler gets them."""
+def analysed_layer(
+    tp: int, batch: int, seq: int
+) -> list[tuple[torch.fx.GraphModule, GraphAnalysis]]:
+    """The layer's forward and backward graphs, as Inductor's inner compiler gets them,
+    each with its analysis (the backward's from the forward's interfaces)."""
     graphs = []
 
     def capture(gm, inputs, **kwargs):
-        graphs.append(Captured(gm, tuple(inputs), kwargs))
+        graphs.append((gm, tuple(inputs), kwargs))
         return make_boxed_func(gm.forward)
 
     step_layer(functools.partial(compile_fx, inner_compile=capture), tp, batch, seq)
-    forward, backward = graphs
-    return forward, backward
-
-
-def random_schedules(
-    partitioning: GraphPartitioning, placements: PlacementResult, k: int, n: int, seed: int
-) -> list[Schedule]:
-    """``n`` schedules with a random launch slot per partition (as ``VariantSpace.sample``)."""
-    rng = random.Random(seed)
-    parts = partitioning.partitions
-    slots = [len(p.slots) + 1 if per_nanobatch(placements.placements[p.collective.node]) else 1
-             for p in parts]
-    own = (None,) * len(parts)
-    return [Schedule(k, tuple(rng.randrange(s) for s in slots), own) for _ in range(n)]
+    (fw, fw_inputs, fw_kwargs), (bw, bw_inputs, _) = graphs
+    forward = analyse(
+        fw, fw_inputs, "forward", static_input_idxs=fw_kwargs["static_input_idxs"],
+        label="forward",
+    )
+    backward = analyse(bw, bw_inputs, "backward", forward.interfaces, label="backward")
+    return [(fw, forward), (bw, backward)]
 
 
 def time_graph(
-    name: str, c: Captured, placements: PlacementResult, k: int, n: int, seed: int
+    gm: torch.fx.GraphModule, analysis: GraphAnalysis, k: int, n: int, seed: int
 ) -> dict[str, Any]:
-    """Milliseconds per variant before and after, over ``n`` random schedules."""
-    graph = c.gm.graph
-    collectives = find_collectives(graph)
-    partitioning = partition_graph(graph, collectives)
-    args = (c.gm, partitioning, collectives, placements)
-    schedules = random_schedules(partitioning, placements, k, n, seed)
+    """Milliseconds per variant before and after, over ``n`` random variants."""
+    rng = random.Random(seed)
+    decisions = [Decision(k, analysis.space.sample(rng, k), 0) for _ in range(n)]
     with _paused_gc():
         start = time.perf_counter()
-        for s in schedules:
-            nanobatch_graph(*args, s, c.inputs)
+        for d in decisions:
+            analysis.rewrites.clear()
+            apply(gm, analysis, d)
         before_s = time.perf_counter() - start
+    analysis.rewrites.clear()
     with _paused_gc():
         start = time.perf_counter()
-        rewrite = NanobatchRewrite(*args, k, c.inputs)
-        materialised = rewrite.materialise(schedules[0])
+        first = apply(gm, analysis, decisions[0])
         first_s = time.perf_counter() - start
         start = time.perf_counter()
-        for s in schedules[1:]:
-            rewrite.materialise(s)
+        for d in decisions[1:]:
+            apply(gm, analysis, d)
         steady_s = time.perf_counter() - start
     with _paused_gc():
         start = time.perf_counter()
-        code = materialised.code  # generated on first use
+        code = first.code  # generated on first use
         code_s = time.perf_counter() - start
-    if code != nanobatch_graph(*args, schedules[0], c.inputs).code:
-        raise AssertionError(f"{name} k={k}: materialise differs from nanobatch_graph")
+    analysis.rewrites.clear()
+    if code != apply(gm, analysis, decisions[0]).code:
+        raise AssertionError(f"{analysis.label} k={k}: the cached variant differs")
     return {
-        "graph": name,
+        "graph": analysis.label,
         "nanobatches": k,
-        "nodes": len(materialised.graph.nodes),
+        "nodes": len(first.graph.nodes),
         "variants": n,
-        "distinct_schedules": len(set(schedules)),
+        "distinct_variants": len({d.variant for d in decisions}),
         "before_ms": before_s / n * 1e3,
         "after_ms": (first_s + steady_s) / n * 1e3,
         "after_steady_ms": steady_s / (n - 1) * 1e3,
@@ -148,18 +134,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/materialise.json"))
     args = parser.parse_args(argv)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.tp)
-    fw, bw = capture_layer(args.tp, args.batch, args.seq)
-    rows = []
-    for k in (2, 4):
-        static = fw.kwargs["static_input_idxs"]
-        fw_placements = propagate(fw.gm.graph, forward_inputs(fw.gm.graph, static), k, OP_TABLE)
-        interface = record_forward(fw.gm.graph, fw_placements)
-        bw_placements = propagate(
-            bw.gm.graph, backward_inputs(bw.gm.graph, interface), k, OP_TABLE
-        )
-        graphs = (("forward", fw, fw_placements), ("backward", bw, bw_placements))
-        for name, c, placements in graphs:
-            rows.append(time_graph(name, c, placements, k, args.variants, args.seed))
+    graphs = analysed_layer(args.tp, args.batch, args.seq)
+    rows = [
+        time_graph(gm, analysis, k, args.variants, args.seed)
+        for k in (2, 4)
+        for gm, analysis in graphs
+    ]
 
     table = Table(
         title=f"Materialising {args.variants} random variants, Llama-3.2-3B-sized layer, "

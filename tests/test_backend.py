@@ -140,17 +140,21 @@ def test_explain_prints_a_table_and_logs(fake_pg, capsys, caplog):
 def test_reports_serialise(fake_pg):
     import json
 
-    torch.compile(tp_llama(1), backend="kareus", options={"lowering": "eager"})(
-        torch.randint(0, 256, (4, 8))
+    torch.compile(tp_llama(1), backend="kareus", options={"lowering": "eager", "nanobatches": 4})(
+        torch.randint(0, 256, (6, 8))
     )
     (report,) = kareus.graph_reports()
     data = json.loads(json.dumps(report.to_dict(), default=str))
-    assert data["kind"] == "forward" and data["nanobatches"] == 1
+    assert data["kind"] == "forward" and (data["requested"], data["nanobatches"]) == (4, 1)
+    assert data["key"] == report.key and len(report.key) == 16
     assert [c["kind"] for c in data["collectives"]] == [
         "all_reduce", "all_reduce", "all_reduce", "all_gather"
     ]
     assert data["partitions"][1]["slots"][1]["kind"] == "matmul"
-    assert data["variants"]["nanobatches"] == [1, 2, 4]
+    assert data["variants"]["nanobatches"] == [1, 2]
+    # 6 samples do not split in 4: the reason is a record, its kind a plain string
+    assert data["fallback"]["kind"] == "not-divisible" and data["fallback"]["node"]
+    assert data["variants"]["infeasible"]["4"] == data["fallback"]
 
 
 def test_no_table_without_explain(fake_pg, capsys):

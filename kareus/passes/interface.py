@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx
+from torch.utils._pytree import tree_leaves
 
 from kareus.passes.placement import REPLICATE, NodePlacement, PlacementResult, Split
 
@@ -45,7 +46,8 @@ def forward_inputs(
 
 def record_forward(graph: torch.fx.Graph, result: PlacementResult) -> ForwardInterface:
     (output,) = graph.find_nodes(op="output")
-    outputs = tuple(a.name if isinstance(a, torch.fx.Node) else None for a in output.args[0])
+    values = tree_leaves(output.args[0])  # AOT graphs return a tuple; make_fx ones may not
+    outputs = tuple(a.name if isinstance(a, torch.fx.Node) else None for a in values)
     return ForwardInterface({n.name: p for n, p in result.placements.items()}, outputs)
 
 

@@ -28,7 +28,7 @@ import torch
 import torch.fx
 from torch.utils._pytree import tree_leaves
 
-from kareus.passes.collectives import Collective, is_collective, is_wait
+from kareus.passes.collectives import Collective, find_collectives, is_collective, is_wait
 from kareus.passes.ops import facts_of
 
 aten = torch.ops.aten
@@ -254,7 +254,10 @@ def graph_hash(graph: torch.fx.Graph, *, shapes: bool = True) -> str:
     """
     nodes = list(graph.nodes)
     digest = _node_hashes(nodes, None if shapes else _dtype_sig)
-    parts = sorted(digest[n] for n in nodes if not _key_transparent(n))
+    parts: list[object] = sorted(digest[n] for n in nodes if not _key_transparent(n))
+    # A group is named, not sized, in the graph: the same program on a group of other
+    # size is another graph (other costs, other participants).
+    parts.append([(c.kind, c.group_size) for c in find_collectives(graph)])
     return hashlib.sha1(repr(parts).encode()).hexdigest()[:16]
 
 

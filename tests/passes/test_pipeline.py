@@ -4,7 +4,9 @@ what a policy asks, apply rewrites and clocks a copy (fake process group, no bac
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from conftest import analysed, aot_graphs, tp_llama
+from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing import FileCheck
 
 from kareus import KareusError, ReasonKind
@@ -120,3 +122,18 @@ def test_apply_issues_on_the_groups_the_runtime_gives(forward):
     FileCheck().check_count("'capped-group'", 2, exactly=True).run(out.code)
     # the cached k-way graph serves the next variant without touching the first
     assert "capped-group" not in apply(g.gm, a, decision).code
+
+
+def test_the_key_tells_group_sizes_apart():
+    from conftest import init_fake_pg
+
+    def block(x, w):
+        return funcol.all_reduce(x @ w, "sum", dist.group.WORLD).relu()
+
+    keys = []
+    for world in (2, 4):
+        init_fake_pg(world)
+        inputs = (torch.randn(4, 8), torch.randn(8, 8))
+        keys.append(analyse(make_fx(block)(*inputs), inputs, "forward").key)
+    dist.destroy_process_group()
+    assert keys[0] != keys[1]

