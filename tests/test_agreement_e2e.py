@@ -65,6 +65,7 @@ def _worker(rank, port, out_dir, nanobatches, delay_s, timeout_s):
         reports = [(r.kind, r.nanobatches, r.fallback) for r in kareus.graph_reports()]
         result = ((out - expected).abs().max().item(), grads, reports)
         Path(out_dir, str(rank)).write_bytes(pickle.dumps(result))
+        dist.barrier()  # every rank done before any tears down (see kareus.demo._worker)
     finally:
         dist.destroy_process_group()
 

@@ -10,6 +10,7 @@ tensor metadata propagated once per analysis and count (``NanobatchRewrite``).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 import torch
@@ -62,6 +63,7 @@ def apply(
 def _copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A GraphModule of a copy of ``gm``'s graph (node metadata included)."""
     graph = torch.fx.Graph()
+    graph._codegen = copy.deepcopy(gm.graph._codegen)  # the calling convention (pytree specs)
     output = graph.graph_copy(gm.graph, {})
     graph.output(output)
     return torch.fx.GraphModule(gm, graph)
