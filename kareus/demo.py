@@ -80,7 +80,7 @@ def _worker(rank: int, cfg: DemoConfig, init_method: str, out_dir: str) -> None:
         Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
         # Every rank done before any tears down: a rank (the store's host) exiting while
         # another still finished aborted at interpreter exit (SIGABRT) in 6 of 86 runs of
-        # tests/test_agreement_e2e.py before this barrier, 0 of 25 with it.
+        # tests/test_agreement_e2e.py before this barrier, 0 of 50 with it.
         dist.barrier()
     finally:
         dist.destroy_process_group()
