@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 
 from kareus.profiler.devices import GPUSpec, SimulatedGPU, load_preset, preset_names
-from kareus.profiler.devices.presets import COLLECTIVE_KINDS, PRESETS
+from kareus.profiler.devices.errors import DeviceError, GPUSpecError
+from kareus.profiler.devices.presets import COLLECTIVE_KINDS, PRESETS, _validate
 
 
 @pytest.mark.regression
@@ -79,7 +81,10 @@ def test_json_spec_overrides_a_base_preset(tmp_path):
         ({"base": "sim:x200", "name": "x"}, "unknown base 'sim:x200'"),
         ({"base": "sim:h200", "name": "x", "sm_count": 132.0}, "sm_count must be an integer"),
         ({"base": "sim:h200", "name": "x", "tdp_w": "700"}, "tdp_w must be a finite number"),
-        ({"base": "sim:h200", "name": "x", "gemm_efficiency": 1.5}, "invalid gemm_efficiency=1.5"),
+        (
+            {"base": "sim:h200", "name": "x", "gemm_efficiency": 1.5},
+            r"gemm_efficiency must be a finite number in \(0, 1\], got 1.5",
+        ),
         ({"base": "sim:h200", "name": "x", "tdp_w": 100}, "invalid tdp_w=100"),
         ({"base": "sim:h200", "name": "x", "search_step_mhz": 20}, "invalid search_step_mhz=20"),
         (
@@ -109,3 +114,70 @@ def test_spec_validation_applies_to_code_built_specs():
     with pytest.raises(ValueError, match="invalid knee_mhz=2000"):
         dataclasses.replace(PRESETS["sim:h200"], knee_mhz=2000)
     assert isinstance(PRESETS["sim:h200"], GPUSpec)
+
+
+def bus_json(kind: str, raw: str) -> str:
+    """sim:h200's bus bandwidths as JSON text, with ``kind``'s replaced by ``raw``."""
+    bus = PRESETS["sim:h200"].bus_bytes_per_s
+    values = {k: raw if k == kind else repr(v) for k, v in bus.items()}
+    return "{" + ", ".join(f'"{k}": {v}' for k, v in values.items()) + "}"
+
+
+FRACTION = r"a finite number in \(0, 1\]"
+
+
+@pytest.mark.parametrize(
+    "key, raw, field, accepted",
+    [
+        ("kernel_floor_s", "0", "kernel_floor_s", "a finite number > 0"),
+        ("kernel_floor_s", "-1e-6", "kernel_floor_s", "a finite number > 0"),
+        ("ring_step_latency_s", "0", "ring_step_latency_s", "a finite number > 0"),
+        (
+            "bus_bytes_per_s",
+            bus_json("all_reduce", "Infinity"),
+            "bus_bytes_per_s['all_reduce']",
+            "a finite number > 0",
+        ),
+        (
+            "bus_bytes_per_s",
+            bus_json("all_gather", "true"),
+            "bus_bytes_per_s['all_gather']",
+            "a finite number > 0",
+        ),
+        (
+            "bus_bytes_per_s",
+            bus_json("all_to_all", "0"),
+            "bus_bytes_per_s['all_to_all']",
+            "a finite number > 0",
+        ),
+        ("hbm_bytes_per_s", "NaN", "hbm_bytes_per_s", "a finite number > 0"),
+        ("hbm_bytes_per_s", "Infinity", "hbm_bytes_per_s", "a finite number > 0"),
+        ("tdp_w", "true", "tdp_w", "a finite number > 0"),
+        ("static_power_w", "-5", "static_power_w", "a finite number >= 0"),
+        ("sm_count", "-132", "sm_count", "an integer >= 1"),
+        ("default_comm_sms", "0", "default_comm_sms", "an integer >= 1"),
+        ("nccl_buffer_bytes", "true", "nccl_buffer_bytes", "an integer >= 1"),
+        ("hbm_efficiency", "1.2", "hbm_efficiency", FRACTION),
+        ("memory_sm_activity", "NaN", "memory_sm_activity", FRACTION),
+        ("gemm_efficiency", "0", "gemm_efficiency", FRACTION),
+    ],
+)
+def test_out_of_range_fields_are_device_errors(tmp_path, key, raw, field, accepted):
+    path = tmp_path / "gpu.json"
+    path.write_text(f'{{"base": "sim:h200", "name": "x", "{key}": {raw}}}')
+    with pytest.raises(GPUSpecError) as error:
+        load_preset(str(path))
+    message = str(error.value)
+    assert isinstance(error.value, DeviceError) and isinstance(error.value, ValueError)
+    assert "gpu.json" in message and f"{field} must be" in message
+    assert re.search(accepted, message), message
+
+
+def test_out_of_range_fields_are_rejected_in_code_too():
+    with pytest.raises(GPUSpecError, match="kernel_floor_s must be a finite number > 0, got 0"):
+        dataclasses.replace(PRESETS["sim:h200"], kernel_floor_s=0)
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_every_preset_passes_the_checks(name):
+    _validate(PRESETS[name])  # raises on any out-of-range or inconsistent field

@@ -3,6 +3,7 @@ data."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import pytest
@@ -246,6 +247,48 @@ def test_clock_switch_in_the_graph_is_charged(set_clock):
     assert switched.details["clock_switches"] == 1
     assert switched.details["switch_s"] == pytest.approx(0.015)
     assert switched.time_s == pytest.approx(run(gemm(), clock=1200).time_s + 0.015)
+
+
+def test_a_default_clock_node_runs_at_the_measured_clock(set_clock):
+    """kareus graphs start with set_clock(graph, 0): 0 keeps the clock the measurement set."""
+    plain, default = run(gemm(), clock=1200), run(gemm(), clock=1410)
+    kareus = run(with_clocks(gemm(), set_clock, (0, 0)), clock=1200)
+    assert (kareus.time_s, kareus.energy_j) == (plain.time_s, plain.energy_j)
+    assert kareus.details["clock_switches"] == kareus.details["switch_s"] == 0
+    assert kareus.time_s != default.time_s and kareus.energy_j != default.energy_j
+    # At the default clock the node changes nothing either.
+    assert run(with_clocks(gemm(), set_clock, (0, 0)), clock=1410) == default
+
+
+def test_a_requested_clock_node_composes_with_the_measured_clock(set_clock):
+    """set_clock(graph, f) switches to f, stalling only if the measurement set another clock."""
+    gpu = SimulatedGPU(A100)
+    plain = run(gemm(), clock=1200)
+    at_f = run(with_clocks(gemm(), set_clock, (0, 1200)), clock=1200)
+    assert at_f.details["clock_switches"] == at_f.details["switch_s"] == 0
+    assert (at_f.time_s, at_f.energy_j) == (plain.time_s, plain.energy_j)
+    for measured in (1410, 1005):
+        other = run(with_clocks(gemm(), set_clock, (0, 1200)), clock=measured)
+        stall = gpu.spec.clock_switch_s
+        assert other.details["clock_switches"] == 1
+        assert other.details["switch_s"] == pytest.approx(stall)
+        assert other.time_s == pytest.approx(plain.time_s + stall)
+        assert other.energy_j == pytest.approx(plain.energy_j + stall * gpu.static_power_w)
+        assert other.details["effective_clock_mhz"] == pytest.approx(
+            plain.details["effective_clock_mhz"]
+        )
+
+
+def test_a_default_clock_node_returns_to_the_measured_clock(set_clock):
+    """After a switch to f, set_clock(graph, 0) returns to the measured clock, not the maximum."""
+    spec = dataclasses.replace(SimulatedGPU(A100).spec, min_switch_interval_s=0.0)
+    gpu = SimulatedGPU(spec)
+    gm = trace(lambda a, b: torch.mm(torch.mm(a, b), b), (8192, 8192), (8192, 8192))
+    workload = Workload("w", with_clocks(gm, set_clock, (0, 1200), (1, 0)), world_size=8)
+    back = gpu.measure(workload, 1005)
+    assert back.details["clock_switches"] == 2
+    half = run(gemm(), clock=1200).time_s + run(gemm(), clock=1005).time_s
+    assert back.time_s == pytest.approx(half + 2 * spec.clock_switch_s)
 
 
 def test_switches_finer_than_the_device_allows_are_refused(set_clock):

@@ -132,3 +132,9 @@ class DeviceSpecError(DeviceError, ValueError):
         super().__init__(
             f"Bad device {spec!r} ({reason}). Accepted values: {', '.join(accepted)}."
         )
+
+
+class GPUSpecError(DeviceError, ValueError):
+    """A simulated GPU's spec (a custom JSON file, or a ``GPUSpec`` built in code) is
+    invalid; the message names the file where there is one, the field, the value and the
+    accepted range."""

@@ -20,6 +20,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from kareus.profiler.devices.errors import GPUSpecError
+
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 TENSOR_TIME_SCALE = {"float32": 2.0, "float64": 16.0}
@@ -110,60 +112,110 @@ class GPUSpec:
 _FIELDS = {f.name: f for f in dataclasses.fields(GPUSpec)}
 
 
+@dataclass(frozen=True)
+class _Range:
+    """Accepted values of a numeric field: finite, never a bool, ``low`` < (or <=) value
+    <= ``high``; ``integer`` for counts, clocks and sizes."""
+
+    low: float
+    low_open: bool = True  # value > low (else value >= low)
+    high: float = math.inf
+    integer: bool = False
+
+    def accepts(self, value: object) -> bool:
+        if isinstance(value, bool) or not isinstance(value, int if self.integer else (int, float)):
+            return False
+        if not math.isfinite(value):
+            return False
+        above = value > self.low if self.low_open else value >= self.low
+        return above and value <= self.high
+
+    def describe(self) -> str:
+        if self.integer:
+            return f"an integer >= {self.low + 1 if self.low_open else self.low:g}"
+        if self.high < math.inf:
+            return f"a finite number in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}]"
+        return f"a finite number {'>' if self.low_open else '>='} {self.low:g}"
+
+
+_COUNT = _Range(0, integer=True)  # SMs, clocks in MHz, bytes: integers >= 1
+_POSITIVE = _Range(0)  # divides somewhere, or is a scale whose 0 means no device
+_NON_NEGATIVE = _Range(0, low_open=False)  # an added cost that may be zero
+_FRACTION = _Range(0, high=1)  # an efficiency or a share
+
+_RANGES: dict[str, _Range] = {
+    "sm_count": _COUNT,
+    "flop_per_clk": _POSITIVE,
+    "gemm_efficiency": _FRACTION,
+    "measured_gemm_tflops": _POSITIVE,
+    "kernel_floor_s": _POSITIVE,  # a kernel's bytes are divided by its duration
+    "hbm_bytes_per_s": _POSITIVE,
+    "hbm_efficiency": _FRACTION,
+    "memory_clock_sensitivity": _NON_NEGATIVE,
+    "hbm_pj_per_bit": _NON_NEGATIVE,
+    "tdp_w": _POSITIVE,
+    "static_power_w": _NON_NEGATIVE,
+    "v_floor": _POSITIVE,
+    "v_max": _POSITIVE,
+    "knee_mhz": _COUNT,
+    "memory_sm_activity": _FRACTION,
+    "min_clock_mhz": _COUNT,
+    "max_clock_mhz": _COUNT,
+    "clock_step_mhz": _COUNT,
+    "search_min_mhz": _COUNT,
+    "search_step_mhz": _COUNT,
+    "clock_switch_s": _NON_NEGATIVE,
+    "min_switch_interval_s": _NON_NEGATIVE,
+    "bus_bytes_per_s": _POSITIVE,  # each value; a collective's bytes are divided by it
+    "default_comm_sms": _COUNT,
+    "saturating_comm_sms": _COUNT,
+    "ring_step_latency_s": _POSITIVE,  # a collective's HBM bytes are divided by its time
+    "nccl_buffer_bytes": _COUNT,
+    "comm_hbm_bytes_per_bus_byte": _NON_NEGATIVE,
+}
+assert set(_RANGES) == set(_FIELDS) - {"name"}, "every numeric GPUSpec field needs a range"
+
+
+def _check_range(spec_name: object, field: str, value: object, accepted: _Range) -> None:
+    if not accepted.accepts(value):
+        raise GPUSpecError(
+            f"GPU spec {spec_name!r}: {field} must be {accepted.describe()}, got {value!r}"
+        )
+
+
 def _validate(spec: GPUSpec) -> None:
-    """Reject values the model cannot use, naming the field."""
-    for name, f in _FIELDS.items():
-        value = getattr(spec, name)
-        if f.type == "int" and (isinstance(value, bool) or not isinstance(value, int)):
-            raise ValueError(f"GPU spec {spec.name!r}: {name} must be an integer, got {value!r}")
-        if f.type == "float" and (
-            isinstance(value, bool)
-            or not isinstance(value, (int, float))
-            or not math.isfinite(value)
-            or value < 0
-        ):
-            raise ValueError(
-                f"GPU spec {spec.name!r}: {name} must be a finite number >= 0, got {value!r}"
-            )
+    """Reject values the model cannot use, naming the field, the value and the range."""
     if not isinstance(spec.name, str) or not spec.name:
-        raise ValueError(f"GPU spec name must be a non-empty string, got {spec.name!r}")
+        raise GPUSpecError(f"GPU spec name must be a non-empty string, got {spec.name!r}")
     kinds = spec.bus_bytes_per_s.keys() if isinstance(spec.bus_bytes_per_s, Mapping) else ()
-    if set(kinds) != set(COLLECTIVE_KINDS) or not all(
-        isinstance(v, (int, float)) and v > 0 for v in spec.bus_bytes_per_s.values()
-    ):
-        raise ValueError(
+    if set(kinds) != set(COLLECTIVE_KINDS):
+        raise GPUSpecError(
             f"GPU spec {spec.name!r}: bus_bytes_per_s must map each of {COLLECTIVE_KINDS} "
             f"to a positive bandwidth, got {spec.bus_bytes_per_s!r}"
         )
+    for name, accepted in _RANGES.items():
+        value = getattr(spec, name)
+        if name == "bus_bytes_per_s":
+            for kind in COLLECTIVE_KINDS:
+                _check_range(spec.name, f"{name}[{kind!r}]", value[kind], accepted)
+        else:
+            _check_range(spec.name, name, value, accepted)
+    # Relations between fields (each field is now finite and in its range).
     checks = [
-        ("sm_count", spec.sm_count > 0),
-        ("flop_per_clk", spec.flop_per_clk > 0),
-        ("gemm_efficiency", 0 < spec.gemm_efficiency <= 1),
-        ("measured_gemm_tflops", 0 < spec.sustained_gemm_mhz <= spec.max_clock_mhz),
-        ("hbm_bytes_per_s", spec.hbm_bytes_per_s > 0),
-        ("hbm_efficiency", 0 < spec.hbm_efficiency <= 1),
-        ("memory_sm_activity", spec.memory_sm_activity <= 1),
+        ("measured_gemm_tflops", spec.sustained_gemm_mhz <= spec.max_clock_mhz),
         ("tdp_w", spec.tdp_w > spec.static_power_w),
-        ("v_floor", 0 < spec.v_floor <= spec.v_max),
-        ("min_clock_mhz", 0 < spec.min_clock_mhz <= spec.max_clock_mhz),
-        (
-            "clock_step_mhz",
-            spec.clock_step_mhz > 0
-            and (spec.max_clock_mhz - spec.min_clock_mhz) % spec.clock_step_mhz == 0,
-        ),
+        ("v_floor", spec.v_floor <= spec.v_max),
+        ("min_clock_mhz", spec.min_clock_mhz <= spec.max_clock_mhz),
+        ("clock_step_mhz", (spec.max_clock_mhz - spec.min_clock_mhz) % spec.clock_step_mhz == 0),
         ("knee_mhz", spec.min_clock_mhz <= spec.knee_mhz < spec.max_clock_mhz),
-        (
-            "search_step_mhz",
-            spec.search_step_mhz > 0 and spec.search_step_mhz % spec.clock_step_mhz == 0,
-        ),
+        ("search_step_mhz", spec.search_step_mhz % spec.clock_step_mhz == 0),
         ("search_min_mhz", spec.min_clock_mhz <= spec.search_min_mhz <= spec.max_clock_mhz),
-        ("default_comm_sms", 0 < spec.default_comm_sms < spec.sm_count),
-        ("saturating_comm_sms", 0 < spec.saturating_comm_sms < spec.sm_count),
-        ("nccl_buffer_bytes", spec.nccl_buffer_bytes > 0),
+        ("default_comm_sms", spec.default_comm_sms < spec.sm_count),
+        ("saturating_comm_sms", spec.saturating_comm_sms < spec.sm_count),
     ]
     bad = [name for name, ok in checks if not ok]
     if bad:
-        raise ValueError(
+        raise GPUSpecError(
             f"GPU spec {spec.name!r}: invalid "
             + ", ".join(f"{name}={getattr(spec, name)!r}" for name in bad)
         )
@@ -364,7 +416,7 @@ def load_preset(name_or_path: str | os.PathLike[str]) -> GPUSpec:
         return PRESETS[key]
     if key.endswith(".json") or os.path.isfile(key):
         return spec_from_json(key)
-    raise ValueError(
+    raise GPUSpecError(
         f"unknown simulated GPU {key!r}: use one of {', '.join(PRESETS)} or a .json file"
     )
 
@@ -375,34 +427,33 @@ def spec_from_json(path: str | os.PathLike[str]) -> GPUSpec:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"cannot read GPU spec {os.fspath(path)!r}: {e}") from e
-    if not isinstance(data, dict):  # bad file content, not a bad argument: ValueError
-        raise ValueError(f"GPU spec {os.fspath(path)!r} must be a JSON object")  # noqa: TRY004
+        raise GPUSpecError(f"cannot read GPU spec {os.fspath(path)!r}: {e}") from e
+    if not isinstance(data, dict):
+        raise GPUSpecError(f"GPU spec {os.fspath(path)!r} must be a JSON object")
     base_name = data.pop("base", None)
     unknown = sorted(set(data) - set(_FIELDS))
     if unknown:
-        raise ValueError(
+        raise GPUSpecError(
             f"GPU spec {os.fspath(path)!r}: unknown keys {unknown}; "
             f"valid keys are 'base' and {sorted(_FIELDS)}"
         )
     if base_name is None:
         missing = sorted(set(_FIELDS) - set(data))
         if missing:
-            raise ValueError(
+            raise GPUSpecError(
                 f"GPU spec {os.fspath(path)!r}: missing keys {missing} "
-                f"(or give \"base\": one of {list(PRESETS)})"
+                f'(or give "base": one of {list(PRESETS)})'
             )
         fields = data
     elif base_name in PRESETS:
         if "name" not in data:
-            raise ValueError(f"GPU spec {os.fspath(path)!r}: missing key ['name']")
+            raise GPUSpecError(f"GPU spec {os.fspath(path)!r}: missing key ['name']")
         fields = {**dataclasses.asdict(PRESETS[base_name]), **data}
     else:
-        raise ValueError(
-            f"GPU spec {os.fspath(path)!r}: unknown base {base_name!r}; "
-            f"use one of {list(PRESETS)}"
+        raise GPUSpecError(
+            f"GPU spec {os.fspath(path)!r}: unknown base {base_name!r}; use one of {list(PRESETS)}"
         )
     try:
         return GPUSpec(**fields)
-    except ValueError as e:
-        raise ValueError(f"{os.fspath(path)!r}: {e}") from e
+    except GPUSpecError as e:
+        raise GPUSpecError(f"{os.fspath(path)!r}: {e}") from e

@@ -30,9 +30,14 @@ that only waits on its peers costs static power. When power would exceed the TDP
 clock drops to the highest supported clock that fits, per interval (a simple power cap).
 Energy integrates power over the timeline.
 
-A ``kareus::set_clock`` node (argument ``mhz``; 0 = default clock) changes the clock: the
-compute stream stalls ``clock_switch_s`` at each change, and two changes closer than
-``min_switch_interval_s`` are refused.
+Clocks: ``measure(workload, clock_mhz)`` sets the SM clock to ``clock_mhz`` before the
+graph starts (no stall). A ``kareus::set_clock`` node in the graph then composes with it:
+``mhz`` = 0 (``DEFAULT_CLOCK_MHZ``, which every kareus graph starts with) means "the clock
+the measurement set", so a graph measured at f runs as the same graph without that node
+at f (after an earlier switch, it switches back to f); ``mhz`` > 0 switches to that clock,
+and everything after it runs there. The compute stream stalls ``clock_switch_s`` only when
+the target differs from the current clock (a graph whose first node asks for the measured
+clock pays nothing), and two changes closer than ``min_switch_interval_s`` are refused.
 
 Not modelled: Inductor fusion (each aten node is one kernel, an upper bound on memory
 traffic), GEMM tile and wave quantisation, temperature, NVLink power (counted in static).
@@ -75,7 +80,7 @@ class Step(Enum):
     COMPUTE = "compute"  # run kernels[i] on the compute stream
     ISSUE = "issue"  # enqueue collectives[i] on the comm stream
     WAIT = "wait"  # compute stream waits for collectives[i]
-    CLOCK = "clock"  # set the SM clock to i MHz (0: default)
+    CLOCK = "clock"  # set the SM clock to i MHz (0: the clock the measurement set)
 
 
 @dataclass(frozen=True, slots=True)
@@ -425,7 +430,8 @@ class _Timeline:
 
     def set_clock(self, mhz: int) -> None:
         spec = self.ev.spec
-        target = spec.max_clock_mhz if mhz == DEFAULT_CLOCK_MHZ else mhz
+        # The measurement stands in for the default clock (see the module docstring).
+        target = self.requested if mhz == DEFAULT_CLOCK_MHZ else mhz
         _check_clock(spec, target)
         if target == self.mhz:
             return
