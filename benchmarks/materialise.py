@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.fx
-from overlap_sim import step_layer
+from overlap_sim import add_layer_arguments, step_layer
 from rich.console import Console
 from rich.table import Table
 from torch._functorch.aot_autograd import make_boxed_func
@@ -126,9 +126,7 @@ def _paused_gc() -> Iterator[None]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tp", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=4096)
+    add_layer_arguments(parser)
     parser.add_argument("--variants", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/materialise.json"))

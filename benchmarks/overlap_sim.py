@@ -57,12 +57,17 @@ def compile_layer(
     return backend.reports()
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="sim:a100-sxm4-40gb")
+def add_layer_arguments(parser: argparse.ArgumentParser) -> None:
+    """The layer's parallel degree and tokens (``step_layer``), shared by the benchmarks."""
     parser.add_argument("--tp", type=int, default=8)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=4096)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="sim:a100-sxm4-40gb")
+    add_layer_arguments(parser)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/overlap_sim.json"))
     args = parser.parse_args(argv)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.tp)
