@@ -21,11 +21,10 @@ import torch
 import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import kareus
-from kareus.models.llama import Llama, LlamaConfig, parallelize_llama
+from kareus.models.llama import LlamaConfig, fake_parallel_llama
 
 LLAMA_3B_LAYER = LlamaConfig(dim=3072, n_layers=1, n_heads=24, ffn_dim=8192, max_seq_len=4096)
 
@@ -33,19 +32,10 @@ LLAMA_3B_LAYER = LlamaConfig(dim=3072, n_layers=1, n_heads=24, ffn_dim=8192, max
 def step_layer(backend: object, tp: int, batch: int, seq: int) -> None:
     """One forward and backward of the layer, TP ``tp``, on fake bf16 tensors, compiled
     with ``backend`` (run under a fake process group of ``tp`` ranks)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     torch._dynamo.reset()
-    mesh = init_device_mesh("cpu", (tp,))  # outside fake mode: it reads its rank map
-    default_dtype = torch.get_default_dtype()
-    try:
-        with FakeTensorMode():
-            torch.set_default_dtype(torch.bfloat16)  # fake parameters cannot be cast later
-            model = parallelize_llama(Llama(LLAMA_3B_LAYER), mesh)
-            compiled = torch.compile(model, backend=backend)
-            compiled(torch.zeros(batch, seq, dtype=torch.long)).float().sum().backward()
-    finally:
-        torch.set_default_dtype(default_dtype)
+    with fake_parallel_llama(LLAMA_3B_LAYER, tp) as model:
+        compiled = torch.compile(model, backend=backend)
+        compiled(torch.zeros(batch, seq, dtype=torch.long)).float().sum().backward()
 
 
 def compile_layer(

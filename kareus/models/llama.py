@@ -8,6 +8,8 @@ collectives.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -175,3 +177,21 @@ def parallelize_llama(model: Llama, mesh, *, sequence_parallel: bool = False) ->
             }
         parallelize_module(block, mesh, plan)
     return model
+
+
+@contextlib.contextmanager
+def fake_parallel_llama(cfg: LlamaConfig, tp: int) -> Iterator[Llama]:
+    """A bf16 ``Llama(cfg)`` over fake tensors (nothing allocated), tensor-parallel over the
+    first ``tp`` ranks of the default group (a fake one will do); costing and tracing a
+    large model on a CPU. Inside, fake mode is on and bf16 is the default dtype."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (tp,))  # outside fake mode: it reads its rank map
+    default_dtype = torch.get_default_dtype()
+    try:
+        with FakeTensorMode():
+            torch.set_default_dtype(torch.bfloat16)  # fake parameters cannot be cast later
+            yield parallelize_llama(Llama(cfg), mesh)
+    finally:
+        torch.set_default_dtype(default_dtype)

@@ -3,9 +3,10 @@
 For every op a pass may meet: whether it launches a kernel and its cost class (free,
 memory-bound, or heavy: matmul / attention / convolution), whether it is pointwise or
 random, its placement rule (``placement.py``), how its arguments resize to one nanobatch,
-which of its operands are laid out like its output (per-sample masks), and which input a
-gather reads only in part. Partitioning (slots, keys), placement, the rewrite and the simulated
-GPU all read this table, so adding an op is one entry here.
+which of its operands are laid out like its output (per-sample masks), which input a
+gather reads only in part, and which operands it reads only the shape of (fills).
+Partitioning (slots, keys), placement, the rewrite and the simulated GPU all read this
+table, so adding an op is one entry here.
 
 Ops missing from the table get facts from their ATen tags and schema: ``pointwise`` ops
 follow the broadcasting rule, ``nondeterministic_seeded`` ops are random (they end a split
@@ -61,6 +62,7 @@ class OpFacts:
     # when replicated or whole, sliced along the output's split dim unless of size 1 there.
     aligned_operands: tuple[str, ...] = ()
     partial_read: str | None = None  # a gather reads of this input only the rows it returns
+    shape_only: tuple[str, ...] = ()  # operands it reads the shape of, not the data
 
     @property
     def launches_kernel(self) -> bool:
@@ -160,6 +162,24 @@ _ENTRIES: dict[object, OpFacts] = {
     aten.empty: _FREE,
     aten.empty_strided: _FREE,
     aten.empty_like: _FREE,
+    # fills write their output and read no data (``input`` gives a shape); copy reads ``src``
+    aten.copy: OpFacts(Cost.MEMORY, shape_only=("input",)),
+    aten.copy_: OpFacts(Cost.MEMORY, shape_only=("input",)),
+    **{
+        op: OpFacts(Cost.MEMORY, shape_only=("input",))
+        for op in (
+            aten.zeros_like,
+            aten.ones_like,
+            aten.full_like,
+            aten.new_zeros,
+            aten.new_ones,
+            aten.new_full,
+            aten.zero,
+            aten.zero_,
+            aten.fill.Scalar,
+            aten.fill_.Scalar,
+        )
+    },
     aten.cat: OpFacts(Cost.MEMORY, rules.cat),
     aten.stack: OpFacts(Cost.MEMORY, rules.stack),
     aten.constant_pad_nd: OpFacts(Cost.MEMORY, rules.constant_pad),

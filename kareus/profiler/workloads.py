@@ -59,22 +59,21 @@ def partition_workload(
         args = torch.fx.node.map_arg(coll.node.args, lambda a: other)
         if group_name is not None:
             args = with_group(coll.node, args, group_name)
-        return graph.call_function(
-            coll.waits[0].target, (graph.call_function(coll.node.target, args),)
-        )
+        return graph.call_function(coll.node.target, args)
 
-    waited = None
+    issued = None
     for index, s in enumerate(partition.slots):
         if index == slot:
-            waited = issue()
+            issued = issue()
         for node in partition.nodes:
             if node.name in s.nodes:
                 args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
                 if per_nanobatch(place[node]):
                     args = resize_args(node, args, place[node], k)
                 env[node] = graph.create_node(node.op, node.target, args, kwargs)
-    if waited is None:
-        waited = issue()
+    if issued is None:
+        issued = issue()
+    waited = graph.call_function(coll.waits[0].target, (issued,))  # joined at the end
     sinks = [env[n] for n in partition.nodes if not any(u in members for u in n.users)]
     graph.output((waited, *sinks))
     gm = torch.fx.GraphModule(torch.nn.Module(), graph)

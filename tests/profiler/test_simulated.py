@@ -17,7 +17,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from kareus.profiler.devices import Measurement, SimulatedGPU, Workload, preset_names, simulated
 from kareus.profiler.devices.calibration import POINTS, DataPoint
 from kareus.profiler.devices.errors import UnsupportedClockError
-from kareus.profiler.devices.simulated import Step, graph_cost
+from kareus.profiler.devices.presets import MODEL_VERSION
+from kareus.profiler.devices.probes import predict
+from kareus.profiler.devices.simulated import KernelClass, Step, graph_cost
 from kareus.runtime.clock import ClockSwitch
 
 A100 = "sim:a100-sxm4-40gb"
@@ -67,6 +69,94 @@ def test_power_cap_lowers_the_clock_of_a_gemm():
     m = run(gemm())
     assert m.average_power_w <= 400.0
     assert m.details["effective_clock_mhz"] < 1410
+    assert m.details["power_limited_mhz"] == m.details["effective_clock_mhz"]
+    assert m.clock_mhz == 1410  # the firmware throttled; nobody set another clock
+
+
+def gemm_then_copies(copies: int) -> torch.fx.GraphModule:
+    """A GEMM that alone draws more than the TDP, then ``copies`` low-power 1 GiB copies."""
+    return trace(
+        lambda a, b, x: [torch.mm(a, b), *(x.clone() for _ in range(copies))],
+        (8192, 8192), (8192, 8192), (GiB // 2,),
+    )
+
+
+def test_the_power_limit_holds_an_average_not_each_kernel():
+    # The copies pull the graph's average power under 400 W: the GEMM keeps 1410 MHz,
+    # where a per-kernel cap would throttle it as if it ran alone.
+    m = run(gemm_then_copies(4))
+    assert m.average_power_w < 400.0 and m.details["power_limited_mhz"] == 0
+    assert m.details["effective_clock_mhz"] == pytest.approx(1410)
+    assert run(gemm()).details["effective_clock_mhz"] < 1410
+
+
+def test_a_graph_longer_than_the_window_is_limited_window_by_window():
+    spec = SimulatedGPU(A100).spec
+    graph = Workload("w", gemm_then_copies(4))
+    whole = SimulatedGPU(dataclasses.replace(spec, name="w", power_window_s=1.0))
+    assert whole.measure(graph, 1410).details["power_limited_mhz"] == 0
+    # A window shorter than the GEMM: the GEMM's own stretch must fit the limit.
+    short = SimulatedGPU(dataclasses.replace(spec, name="s", power_window_s=1e-3))
+    limited = short.measure(graph, 1410)
+    assert 0 < limited.details["power_limited_mhz"] < 1410
+    assert limited.time_s > whole.measure(graph, 1410).time_s
+
+
+def test_a_lower_power_limit_throttles_instead_of_rescaling():
+    spec = SimulatedGPU(A100).spec
+    capped = SimulatedGPU(dataclasses.replace(spec, name="a100-300w", tdp_w=300.0))
+    assert capped.spec.sm_power_coeff == spec.sm_power_coeff
+    full, low = run(gemm()), capped.measure(Workload("g", gemm()), 1410)
+    assert low.average_power_w <= 300.0 < full.average_power_w
+    assert low.time_s > 1.1 * full.time_s
+    # Work that stays under both limits is unchanged.
+    assert capped.measure(Workload("c", copy()), 1410).time_s == run(copy()).time_s
+
+
+def test_a_gemm_beside_a_collective_pays_for_whole_waves(group):
+    # 132 output tiles of 128 x 256: one wave on H100's 132 SMs, two on the 108 left
+    # beside NCCL's 24 CTAs (NVIDIA developer forum 339078: the tail nearly doubles it).
+    # At a clock under the power limit, so that both run at it.
+    shapes = ((12 * 128, 8192), (8192, 11 * 256))
+    alone = run(trace(torch.mm, *shapes), preset="sim:h100-sxm", clock=1215)
+    both = run(beside(group, GiB, torch.mm, *shapes), preset="sim:h100-sxm", clock=1215)
+    assert both.details["compute_s"] / alone.time_s == pytest.approx(2.0, rel=0.02)
+
+
+def test_attention_runs_at_its_own_efficiency():
+    from kareus.profiler.devices.probes import attention
+
+    gpu = SimulatedGPU(A100)
+    spec = gpu.spec
+    fwd = graph_cost(attention(8, 2048, 16, 128)).kernels
+    assert [k.kind for k in fwd] == [KernelClass.ATTENTION_FWD]
+    seconds = gpu.measure(Workload("a", attention(8, 2048, 16, 128)), 1410).time_s
+    achieved = fwd[0].flops / seconds / (spec.flop_per_clk * 1410e6)
+    assert achieved == pytest.approx(spec.attention_fwd_efficiency, rel=0.02)
+    both = graph_cost(attention(8, 2048, 16, 128, backward=True)).kernels
+    assert KernelClass.ATTENTION_BWD in [k.kind for k in both]
+
+
+def test_hbm_bandwidth_follows_the_read_share():
+    from kareus.profiler.devices.probes import read, triad, write
+
+    gpu = SimulatedGPU("sim:h200")
+
+    def tbps(gm, nbytes):
+        return nbytes / gpu.measure(Workload("m", gm), 1980).time_s / 1e12
+
+    copy_tbps = tbps(copy(2 * GiB), 4 * GiB)
+    assert copy_tbps == pytest.approx(4.255, rel=0.01)  # the input it was set from
+    assert tbps(write(2 * GiB), 2 * GiB) < tbps(read(2 * GiB), 2 * GiB) < copy_tbps
+    assert tbps(triad(GiB), 3 * GiB) == pytest.approx(4.07, rel=0.02)  # not an input
+
+
+def test_idle_is_below_the_blocked_static_power_and_measurements_name_the_model():
+    for name in preset_names():
+        gpu = SimulatedGPU(name)
+        assert 0 < gpu.idle_power_w < gpu.static_power_w
+    m = run(gemm())
+    assert m.model_version == f"{MODEL_VERSION} {A100}"
 
 
 def test_overlap_shortens_the_timeline_and_raises_average_power(group):
@@ -171,18 +261,61 @@ def test_views_are_free_and_bytes_count_reads_and_writes():
     def fn(a):
         return (a.view(-1) * 2).view(64, 64).t().unsqueeze(0).expand(3, 64, 64) + 1
 
-    cost = graph_cost(trace(fn, (64, 64)))
+    cost = graph_cost(trace(fn, (64, 64)), fuse=False)
     tile = 64 * 64 * 2  # bf16
     # mul reads and writes a tile; add reads the broadcast tile once and writes three.
     assert [k.bytes for k in cost.kernels] == [2 * tile, tile + 3 * tile]
     assert [k.flops for k in cost.kernels] == [0, 0]
+    # Fused (Inductor's lowering): the input is read once and only the result written.
+    (fused,) = graph_cost(trace(fn, (64, 64))).kernels
+    assert (fused.read_bytes, fused.write_bytes) == (tile, 3 * tile)
+
+
+def test_fusion_stops_at_heavy_kernels_and_keeps_what_escapes():
+    def fn(a, b):
+        h = torch.relu(a) * 2  # fused; relu's output does not escape, mul's feeds mm
+        return torch.mm(h, b).sigmoid() + h.sum()  # h is read again after the mm
+
+    cost = graph_cost(trace(fn, (256, 256), (256, 256)))
+    tile = 256 * 256 * 2
+    assert [k.kind for k in cost.kernels] == [
+        KernelClass.MEMORY, KernelClass.GEMM, KernelClass.MEMORY
+    ]
+    before, _, after = cost.kernels
+    assert (before.read_bytes, before.write_bytes) == (tile, tile)
+    # sigmoid, sum and add: reads mm's output and h; writes the result only.
+    assert (after.read_bytes, after.write_bytes) == (2 * tile, tile)
 
 
 def test_matmul_flops_and_dtype_rate():
     bf16 = graph_cost(gemm(256)).kernels[0]
-    fp32 = graph_cost(trace(torch.mm, (256, 256), (256, 256), dtype=torch.float32)).kernels[0]
-    assert bf16.flops == 2 * 256**3
-    assert fp32.flops == 2 * bf16.flops  # TF32 tensor cores run at half the bf16 rate
+    fp32_graph = trace(torch.mm, (256, 256), (256, 256), dtype=torch.float32)
+    assert bf16.flops == 2 * 256**3 and bf16.kind is KernelClass.GEMM
+    assert bf16.grid == (1, 256, 256, 256)
+    tf32 = graph_cost(fp32_graph, tf32=True).kernels[0]
+    assert tf32.flops == 2 * bf16.flops and tf32.kind is KernelClass.GEMM  # half the rate
+    plain = graph_cost(fp32_graph, tf32=False).kernels[0]
+    assert plain.flops == bf16.flops and plain.kind is KernelClass.FP32_GEMM
+
+
+def test_fp32_matmuls_follow_pytorchs_tf32_setting():
+    fp32_graph = trace(torch.mm, (4096, 4096), (4096, 4096), dtype=torch.float32)
+    gpu = SimulatedGPU(A100)
+    times = {}
+    saved = torch.backends.cuda.matmul.allow_tf32
+    try:
+        for allowed in (False, True):
+            torch.backends.cuda.matmul.allow_tf32 = allowed
+            times[allowed] = gpu.measure(Workload("mm", fp32_graph), 1410).time_s
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+    # CUDA cores (19.5 TFLOP/s peak) against TF32 tensor cores (156).
+    assert times[False] / times[True] > 5
+
+
+def test_fills_read_nothing():
+    cost = graph_cost(trace(torch.zeros_like, (1024,)))
+    assert (cost.kernels[0].read_bytes, cost.kernels[0].write_bytes) == (0, 2048)
 
 
 def test_causal_attention_counts_half_the_flops():
@@ -314,57 +447,24 @@ def test_recorded_switches_are_priced():
 # --- fidelity -------------------------------------------------------------------------------
 
 
-def simulate(point: DataPoint, group: str) -> float:
-    """The simulator's value of ``point.quantity`` (see calibration.QUANTITIES)."""
-    gpu = SimulatedGPU(point.preset)
-    default = gpu.search_clocks()[0]
-
-    def measure(gm, clock=default):
-        return gpu.measure(Workload(point.quantity, gm, world_size=8), clock)
-
-    q, size = point.quantity, point.size_bytes
-    if q.startswith("gemm_"):
-        m = measure(gemm())
-        return {
-            "gemm_tflops": 2 * 8192**3 / m.time_s / 1e12,
-            "gemm_clock_mhz": m.details["effective_clock_mhz"],
-            "gemm_power_w": m.average_power_w,
-        }[q]
-    if q == "copy_tbps":
-        return 2 * GiB / measure(copy()).time_s / 1e12
-    if q == "all_reduce_us":
-        return measure(collective("all_reduce", size, group)).time_s * 1e6
-    if q.endswith("_busbw_gbps"):
-        kind = q.removesuffix("_busbw_gbps")
-        factor = 2 * 7 / 8 if kind == "all_reduce" else 7 / 8
-        return size * factor / measure(collective(kind, size, group)).time_s / 1e9
-    if q == "static_power_w":
-        return gpu.static_power_w
-    if q == "blocked_power_w":
-        return measure(collective("all_reduce", 32 << 10, group)).average_power_w
-    if q == "memory_clock_saving":
-        sweep = gpu.sweep(Workload("copy", copy()), gpu.supported_clocks())
-        return 1 - min(m.energy_j for m in sweep.values()) / sweep[default].energy_j
-    if q == "overlap_compute_slowdown":
-        both = measure(beside(group, GiB, torch.mm, (8192, 8192), (8192, 8192)))
-        return both.details["compute_s"] / measure(gemm()).time_s - 1
-    if q == "overlap_comm_slowdown":
-        # HBM-bound copies (longer than the collective) beside a 256 MiB all-reduce.
-        clones = beside(group, 256 << 20, lambda *xs: [x.clone() for x in xs], *[(GiB // 2,)] * 4)
-        alone = measure(collective("all_reduce", 256 << 20, group)).time_s
-        return measure(clones).details["comm_s"] / alone - 1
-    raise AssertionError(f"no simulation for {q}")
+def _point_param(point: DataPoint) -> object:
+    """Inputs are regression checks, the others fidelity evidence; a known miss is
+    computed and reported ("explained"), never asserted."""
+    mark = pytest.mark.regression if point.role == "input" else pytest.mark.fidelity
+    label = f"{point.label}-explained" if point.known_miss else point.label
+    return pytest.param(point, marks=mark, id=label)
 
 
-@pytest.mark.fidelity
-@pytest.mark.parametrize(
-    "point", POINTS, ids=[f"{p.preset[4:]}-{p.quantity}-{p.size_bytes or p.value}" for p in POINTS]
-)
-def test_fidelity_to_published_data(point, group):
-    value = simulate(point, group)
-    assert point.low <= value <= point.high, (
-        f"{point.preset} {point.quantity}: simulated {value:.4g}, published {point.value:.4g} "
-        f"(band {point.low:.4g}..{point.high:.4g}; {point.source})"
+@pytest.mark.parametrize("point", [_point_param(p) for p in POINTS])
+def test_fidelity_to_published_data(point):
+    value = predict(point)
+    if point.known_miss:
+        return
+    low, high = point.band
+    assert point.passes(value), (
+        f"{point.preset} {point.quantity} ({point.role}): predicted {value:.4g}, published "
+        f"{point.value:.4g}, error {point.error(value):+.3g}, band {low:.4g}..{high:.4g} "
+        f"({point.source})"
     )
 
 

@@ -4,6 +4,7 @@ import torch
 from conftest import analysed, tp_llama
 
 from kareus.profiler.devices import SimulatedGPU
+from kareus.profiler.devices.simulated import Step, graph_cost
 from kareus.profiler.workloads import partition_workload
 
 
@@ -17,4 +18,9 @@ def test_partition_alone_runs_and_costs_on_one_nanobatch(fake_pg):
         waited, *_ = workload.run()
         assert waited.shape == (2, 16, 64)  # the other nanobatch's all-reduce: half the batch
         times.append(gpu.measure(workload, gpu.search_clocks()[0]).time_s)
+    # Issued first, the collective runs behind the compute (joined at the end); issued
+    # last, all of it is exposed.
     assert times[0] < times[1], "issuing the collective first hides it behind the compute"
+    first = graph_cost(partition_workload(mlp, a.placements[2], 2, 0, world_size=2).gm, 2)
+    steps = [step for step, _ in first.program]
+    assert steps[0] is Step.ISSUE and steps[-1] is Step.WAIT and Step.COMPUTE in steps

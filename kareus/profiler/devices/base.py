@@ -41,6 +41,9 @@ class Measurement:
     """The SM caps the collectives ran with, as (issuing node, SMs) in issue order; one not
     named ran on the library's default. ``dict(resources)`` measures under them again."""
     details: dict[str, float] = field(default_factory=dict)
+    model_version: str | None = None
+    """The model and GPU a simulated measurement comes from (``presets.MODEL_VERSION`` and
+    the spec's name); None for a measurement of real hardware."""
 
     @property
     def effective_energy_j(self) -> float:
