@@ -33,6 +33,13 @@ def fake_pg():
 
 
 @pytest.fixture(autouse=True)
+def clock_lock_dir(tmp_path_factory, monkeypatch):
+    """NVML controllers on the fake driver record clock ownership here, never in the
+    machine-wide /tmp/kareus-clocks (two test runs would refuse each other)."""
+    monkeypatch.setenv("KAREUS_CLOCK_LOCK_DIR", str(tmp_path_factory.mktemp("clock-locks")))
+
+
+@pytest.fixture(autouse=True)
 def fresh_compile_state():
     torch._dynamo.reset()
     kareus.clear_graph_reports()

@@ -18,6 +18,37 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent  # on a subprocess's path to import this module
+LOCK, RESET = "nvmlDeviceSetGpuLockedClocks", "nvmlDeviceResetGpuLockedClocks"
+
+
+_LOCKED_CHILD = """
+import signal, sys
+sys.path[:0] = [{tests!r}, {repo!r}]
+from fake_pynvml import FakeNvml
+from kareus.runtime.nvml_clock import NvmlClockController, no_event
+{before}
+fake = FakeNvml(state_file={state!r})
+fake.nvmlInit()
+gpu = fake.nvmlDeviceGetHandleByIndex(0)
+ctl = NvmlClockController(fake, gpu, gpu="GPU 0", index=0,
+                          supported_clocks=gpu.graphics_clocks[1215], event_factory=no_event)
+ctl.set_clock("fwd", 1200)
+ctl.flush()
+print("locked", flush=True)
+sys.stdin.readline()
+{then}
+"""
+
+
+def locked_child(state: Path, before: str = "", then: str = "") -> str:
+    """Code for ``python -c``: lock GPU 0 of a fake driver whose state goes to ``state``,
+    print "locked", wait for a line on stdin, then run ``then`` (``before`` runs first)."""
+    return _LOCKED_CHILD.format(
+        tests=str(TESTS), repo=str(REPO), state=str(state), before=before, then=then
+    )
+
 
 class FakeClock:
     """Time that moves only when a test advances it."""
@@ -266,3 +297,20 @@ def opened(fake: FakeNvml | None = None) -> tuple[FakeNvml, FakeGpu]:
     fake = fake or FakeNvml()
     fake.nvmlInit()
     return fake, fake.nvmlDeviceGetHandleByIndex(0)
+
+
+def controller(fake: FakeNvml, handle: object, **kwargs: object):
+    """An NVML clock controller of GPU 0 of ``fake`` that does not reset at exit (tests
+    close it), waiting on no CUDA event unless ``event_factory`` is given."""
+    from kareus.runtime.nvml_clock import NvmlClockController, no_event
+
+    kwargs.setdefault("event_factory", no_event)
+    return NvmlClockController(
+        fake,
+        handle,
+        gpu="GPU 0",
+        index=0,
+        supported_clocks=fake.gpus[0].graphics_clocks[fake.gpus[0].memory_clock],
+        reset_at_exit=False,
+        **kwargs,
+    )

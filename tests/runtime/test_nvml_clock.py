@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import subprocess
@@ -10,7 +11,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from fake_pynvml import FakeGpu, FakeNvml, opened
+from fake_pynvml import LOCK, RESET, FakeGpu, FakeNvml, controller, locked_child, opened
 
 from kareus.profiler.devices.errors import (
     ClockPermissionError,
@@ -20,11 +21,15 @@ from kareus.profiler.devices.errors import (
 )
 from kareus.runtime import use_controller
 from kareus.runtime.clock import DEFAULT_CLOCK_MHZ, ClockController
-from kareus.runtime.nvml_clock import NvmlClockController, no_event
+from kareus.runtime.clock_owner import LOCK_DIR_ENV
 
-REPO = Path(__file__).resolve().parents[2]
-TESTS = Path(__file__).resolve().parents[1]
-LOCK, RESET = "nvmlDeviceSetGpuLockedClocks", "nvmlDeviceResetGpuLockedClocks"
+
+@pytest.fixture(autouse=True)
+def lock_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Clock ownership files of this test only (its subprocesses inherit the variable)."""
+    directory = tmp_path / "clock-locks"
+    monkeypatch.setenv(LOCK_DIR_ENV, str(directory))
+    return directory
 
 
 class GatedEvent:
@@ -47,17 +52,6 @@ class GatedEvents:
         return self.events[-1]
 
 
-def controller(fake: FakeNvml, handle: object, **kwargs: object) -> NvmlClockController:
-    kwargs.setdefault("event_factory", no_event)
-    return NvmlClockController(
-        fake,
-        handle,
-        gpu="GPU 0",
-        index=0,
-        supported_clocks=fake.gpus[0].graphics_clocks[fake.gpus[0].memory_clock],
-        reset_at_exit=False,
-        **kwargs,
-    )
 
 
 def test_switches_wait_for_their_event_and_run_off_the_training_thread() -> None:
@@ -181,31 +175,12 @@ def test_dry_run_records_switches_and_never_calls_a_setter() -> None:
 
 # -- reset at exit and on signals, in subprocesses ----------------------------------------
 
-CHILD = """
-import signal, sys
-sys.path[:0] = [{tests!r}, {repo!r}]
-from fake_pynvml import FakeNvml
-from kareus.runtime.nvml_clock import NvmlClockController, no_event
-{before}
-fake = FakeNvml(state_file={state!r})
-fake.nvmlInit()
-gpu = fake.nvmlDeviceGetHandleByIndex(0)
-ctl = NvmlClockController(fake, gpu, gpu="GPU 0", index=0,
-                          supported_clocks=gpu.graphics_clocks[1215], event_factory=no_event)
-ctl.set_clock("fwd", 1200)
-ctl.flush()
-print("locked", flush=True)
-sys.stdin.readline()
-{then}
-"""
 
 
 def run_child(tmp_path: Path, then: str = "", before: str = "", send: int | None = None) -> int:
     """Run CHILD until its clock is locked, then let it go on (or signal it); check the reset."""
     state = tmp_path / "state.json"
-    code = CHILD.format(
-        tests=str(TESTS), repo=str(REPO), state=str(state), before=before, then=then
-    )
+    code = locked_child(state, before, then)
     child = subprocess.Popen(
         [sys.executable, "-c", code],
         stdin=subprocess.PIPE,
@@ -247,3 +222,43 @@ def test_reset_on_sigterm_then_the_previous_handler_runs(tmp_path: Path) -> None
 def test_reset_on_sigint_then_keyboard_interrupt(tmp_path: Path) -> None:
     # Python's handler raises KeyboardInterrupt; uncaught, the interpreter exits by SIGINT.
     assert run_child(tmp_path, send=signal.SIGINT) == -signal.SIGINT
+
+
+def test_reset_on_sighup_and_sigquit_then_the_default_action_kills(
+    tmp_path: Path, lock_dir: Path
+) -> None:
+    no_core = "import resource; resource.setrlimit(resource.RLIMIT_CORE, (0, 0))"
+    for signum in (signal.SIGHUP, signal.SIGQUIT):
+        assert run_child(tmp_path, before=no_core, send=signum) == -signum
+        # The handler kept ownership (a handler may let the process go on) but recorded
+        # the reset: the next owner finds the clocks unlocked and resets nothing.
+        (lock_file,) = lock_dir.iterdir()
+        assert json.loads(lock_file.read_text())["locked_mhz"] is None
+
+
+def test_normal_exit_releases_clock_ownership(tmp_path: Path, lock_dir: Path) -> None:
+    assert run_child(tmp_path) == 0
+    (lock_file,) = lock_dir.iterdir()
+    assert lock_file.read_text() == ""
+
+
+def test_the_first_request_is_sent_even_if_it_looks_unchanged() -> None:
+    # NVML cannot say whether the GPU's clocks are locked (by a tool outside kareus, say),
+    # so default clocks are not assumed: the first request goes to NVML whatever it is.
+    fake, handle = opened()
+    with controller(fake, handle) as ctl:
+        assert ctl.applied_mhz is None
+        ctl.set_clock("g", DEFAULT_CLOCK_MHZ)
+        ctl.set_clock("g", DEFAULT_CLOCK_MHZ)
+        ctl.flush()
+        assert fake.setter_calls() == [(RESET, 0)] and ctl.applied_mhz == DEFAULT_CLOCK_MHZ
+    assert fake.setter_calls() == [(RESET, 0)]
+
+
+def test_a_controller_that_set_nothing_leaves_the_gpu_alone() -> None:
+    fake, handle = opened()
+    fake.gpus[0].locked = (990, 990)  # someone else's business, as far as we know
+    ctl = controller(fake, handle)
+    ctl.reset()
+    ctl.close()
+    assert fake.setter_calls() == [] and fake.gpus[0].locked == (990, 990)

@@ -105,6 +105,85 @@ class ClockResetError(DeviceError):
         )
 
 
+class ClockOwnedError(DeviceError):
+    """Another live clock controller owns the GPU's clocks (runtime/clock_owner.py): two
+    would override each other's clocks, so the second is refused."""
+
+    def __init__(
+        self,
+        gpu: str,
+        owner: str | None,
+        path: str,
+        *,
+        pid: int | None = None,
+        same_process: bool = False,
+    ) -> None:
+        if same_process:
+            message = (
+                f"The SM clock of {gpu} is already owned by another clock controller of this "
+                f"process: {owner} (record: {path}). Two controllers on one GPU override each "
+                "other's clocks: close the first (its close(), or NvmlGPU.close()) before "
+                "opening another on this GPU, or use the first."
+            )
+        else:
+            who = owner or (
+                "a process that has not yet written its record (it is starting; the flock "
+                "on the file shows it is alive)"
+            )
+            stop = (
+                f"stop it (`kill {pid}`: kareus resets the clocks on SIGTERM)" if pid else "stop it"
+            )
+            message = (
+                f"The SM clock of {gpu} is owned by another process: {who}; record: "
+                f"{path}. Two jobs controlling one GPU's clocks override each other, so this "
+                f"one is refused. Wait for it to finish, or {stop}, or run this job with "
+                'device="nvml-dry-run", which never locks clocks nor takes ownership (it then '
+                f"measures at whatever clocks the owner sets), or {SIMULATED_ALTERNATIVE}."
+            )
+        super().__init__(message)
+
+
+class StaleClockLockError(DeviceError):
+    """A previous owner died leaving the GPU's clocks possibly locked, and resetting them
+    failed: every later job would run at that clock."""
+
+    def __init__(self, gpu: str, index: int, left_by: str, path: str, cause: object) -> None:
+        super().__init__(
+            f"The SM clock of {gpu} may still be locked by {left_by} (record: {path}), and "
+            f"resetting it now failed ({cause}). Every job on this GPU runs at that clock "
+            f"until it is reset: run `sudo nvidia-smi -i {index} -rgc`, then "
+            f"remove the stale record with `sudo rm {path}` (or start kareus once as root or "
+            "with CAP_SYS_ADMIN, which does both)."
+        )
+
+
+class ForkedClockControllerError(DeviceError):
+    """A process forked from a clock controller's owner tried to set clocks through it."""
+
+    def __init__(self, gpu: str, owner_pid: int, pid: int) -> None:
+        super().__init__(
+            f"This process (pid {pid}) was forked from pid {owner_pid}, which owns the clock "
+            f"controller of {gpu}: a forked child does not own the GPU's clocks and cannot set "
+            f"them (pid {owner_pid} keeps ownership and resets them). Set clocks from pid "
+            f"{owner_pid}; a child process that must control clocks needs its own controller, "
+            "opened after the parent closed its one."
+        )
+
+
+class ClockLockDirError(DeviceError):
+    """The directory of clock lock files cannot be used."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(
+            f"Cannot record which process owns GPU clocks in {path}: {reason}. kareus keeps "
+            "one lock file per GPU there, so that two jobs never lock one GPU's clocks at once "
+            "and clocks a crashed job left locked are found and reset. Set "
+            "KAREUS_CLOCK_LOCK_DIR to a directory every job on this machine can write (in "
+            "containers, the same host directory mounted into each), or use "
+            'device="nvml-dry-run", which never locks clocks.'
+        )
+
+
 class EnergyUnavailableError(DeviceError):
     """Neither the energy counter nor power readings work, so energy cannot be measured."""
 

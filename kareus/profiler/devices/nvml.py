@@ -13,11 +13,12 @@ import logging
 import re
 import time
 from collections.abc import Callable, Sequence
-from types import ModuleType, TracebackType
-from typing import TYPE_CHECKING, Any
+from types import ModuleType
+from typing import Any
 
 import torch
 
+from kareus.closing import Closing
 from kareus.profiler.devices.base import Device, Measurement, Resources, Workload
 from kareus.profiler.devices.errors import DeviceError, UnsupportedMeasurementError
 from kareus.profiler.devices.nvml_driver import load_nvml, nvml_text
@@ -34,9 +35,6 @@ from kareus.runtime.nvml_clock import (
     no_event,
     record_cuda_event,
 )
-
-if TYPE_CHECKING:
-    from typing_extensions import Self  # typing.Self from Python 3.11
 
 logger = logging.getLogger("kareus")
 
@@ -98,7 +96,7 @@ def default_static_power_w(gpu_name: str, default_power_limit_w: Callable[[], fl
     return watts
 
 
-class NvmlGPU(Device):
+class NvmlGPU(Device, Closing):
     """The local GPU of this process, measured through NVML and clocked by locked clocks.
 
     ``dry_run`` measures the same way but never calls an NVML setter: clock switches are
@@ -234,17 +232,6 @@ class NvmlGPU(Device):
             self._controller.close()
         finally:
             self._nvml.nvmlShutdown()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 def cuda_available() -> bool:

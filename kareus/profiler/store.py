@@ -1,0 +1,504 @@
+"""The profile store: every measurement of a partition variant, kept on disk across runs.
+
+Measuring one variant on a real GPU takes seconds, so nothing measured is measured twice:
+each evaluation is committed the moment it completes (a crash loses at most the one being
+taken, and a restarted search finds the others and resumes), and a second compile of the
+same partition on the same device reads its evaluations back instead of measuring.
+
+Layout. One SQLite file, ``profiles.sqlite`` in the cache directory (``cache_dir``, else
+``$KAREUS_CACHE_DIR``, else ``$XDG_CACHE_HOME/kareus``, else ``~/.cache/kareus``)::
+
+    keys(digest TEXT PRIMARY KEY, key_json TEXT)        -- one row per ProfileKey
+    evaluations(id INTEGER PRIMARY KEY, key, knobs, time_s, energy_j, static_power_w,
+                clock_mhz, method, resources, details, model_version, measured_at,
+                UNIQUE(key, knobs))                     -- id: insertion order
+    frontiers(key PRIMARY KEY, points, updated_at)      -- the search's latest frontier
+
+A row's ``key`` is :meth:`ProfileKey.digest` (sha256 of the key's fields as canonical
+JSON) and ``knobs`` is :meth:`Knobs.json`, so a lookup is one probe of the unique index
+with exact, canonical values: no float or ordering ambiguity can make a hit a miss.
+``PRAGMA application_id`` marks the file as kareus's and ``PRAGMA user_version`` holds
+:data:`SCHEMA_VERSION`.
+
+Several writers. Every process (every rank) opens its own :class:`ProfileStore`; a
+connection is never shared across processes (a store used in a forked child refuses to
+run) nor, by SQLite's default, across threads. The file is in WAL mode, so readers never
+block the writer; each record is one short ``BEGIN IMMEDIATE`` transaction (the write lock
+is taken up front, so ``busy_timeout`` applies instead of a deadlock error on upgrade) and
+``INSERT OR IGNORE`` against the unique index, so two ranks recording the same variant
+leave one row, the first. ``synchronous=FULL`` makes each commit durable even against a
+power cut; its fsync costs milliseconds against seconds per measurement. WAL needs shared
+memory between the processes, so the cache directory must be on a local filesystem: where
+the home directory is on NFS, point ``KAREUS_CACHE_DIR`` at a local disk.
+
+Damaged files. Opening checks the file (SQLite header, ``PRAGMA quick_check``, the
+application id and schema version) under an exclusive ``flock`` on ``<file>.lock``, so that
+ranks opening at once neither rebuild the store twice nor set aside each other's fresh one.
+A file that fails is renamed next to itself (``<file>.corrupt-<time>`` or
+``<file>.schema-<version>-<time>``, its ``-wal``/``-shm`` companions alongside), a warning
+on the ``kareus`` logger names it, why and where it went, and an empty store replaces it:
+a cache is rebuilt by measuring again, and user data is never deleted.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import sqlite3
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from kareus import __version__
+from kareus.closing import Closing
+from kareus.errors import KareusError
+from kareus.profiler.devices.base import Measurement
+
+logger = logging.getLogger("kareus")
+
+SCHEMA_VERSION = 1
+APPLICATION_ID = 0x4B415245  # "KARE": tells a kareus store from any other SQLite file.
+FILENAME = "profiles.sqlite"
+BUSY_TIMEOUT_S = 30.0
+_SQLITE_HEADER = b"SQLite format 3\x00"
+
+_SCHEMA = """
+CREATE TABLE keys (
+    digest TEXT PRIMARY KEY,
+    key_json TEXT NOT NULL
+);
+CREATE TABLE evaluations (
+    id INTEGER PRIMARY KEY,
+    key TEXT NOT NULL REFERENCES keys(digest),
+    knobs TEXT NOT NULL,
+    time_s REAL NOT NULL,
+    energy_j REAL NOT NULL,
+    static_power_w REAL NOT NULL,
+    clock_mhz INTEGER NOT NULL,
+    method TEXT NOT NULL,
+    resources TEXT NOT NULL,
+    details TEXT NOT NULL,
+    model_version TEXT,
+    measured_at REAL NOT NULL,
+    UNIQUE (key, knobs)
+);
+CREATE TABLE frontiers (
+    key TEXT PRIMARY KEY REFERENCES keys(digest),
+    points TEXT NOT NULL,
+    updated_at REAL NOT NULL
+);
+"""
+
+
+class ProfileStoreError(KareusError, OSError):
+    """The profile store cannot be created, opened or written; the message names the file."""
+
+
+@dataclass(frozen=True)
+class ProfileKey:
+    """What makes two measurements interchangeable: the same partition, measured on the same
+    device (and model version, for a simulated one), for the same search, by the same kareus.
+
+    ``clocks`` is the clock set searched, kept descending without repeats whatever order it
+    is given in, so the same set always gives the same key.
+    """
+
+    partition_key: str
+    """The partition's structural hash (``PartitionReport.key``)."""
+    device: str
+    """The device's identity: NVML name and UUID, or the simulated GPU's spec name."""
+    model_version: str | None
+    """The simulated model's version (``Measurement.model_version``); None for hardware."""
+    clocks: tuple[int, ...]
+    group_size: int
+    kareus_version: str = __version__
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "clocks", tuple(sorted({int(c) for c in self.clocks}))[::-1])
+
+    def json(self) -> str:
+        """The fields as canonical JSON (kept in the store, so ``keys()`` can rebuild it)."""
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+
+    def digest(self) -> str:
+        """sha256 of :meth:`json`: the row key, stable across processes and runs."""
+        return hashlib.sha256(self.json().encode()).hexdigest()
+
+    @classmethod
+    def from_json(cls, text: str) -> ProfileKey:
+        fields = json.loads(text)
+        return cls(**{**fields, "clocks": tuple(fields["clocks"])})
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """One variant of a partition: the launch slot of its collective, the SMs each
+    collective is capped to, the SM clock and the nanobatch count.
+
+    ``resources`` is kept sorted by collective name, without entries of None (the library's
+    default, the same as no entry), so equal settings give equal knobs; a mapping is
+    accepted too.
+    """
+
+    slot: int
+    resources: tuple[tuple[str, int], ...]
+    clock_mhz: int
+    nanobatches: int
+
+    def __post_init__(self) -> None:
+        pairs = self.resources.items() if isinstance(self.resources, Mapping) else self.resources
+        canonical = tuple(sorted((str(n), int(s)) for n, s in pairs if s is not None))
+        object.__setattr__(self, "resources", canonical)
+
+    def json(self) -> str:
+        """Canonical JSON: the column the unique index compares."""
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> Knobs:
+        return cls._from_fields(json.loads(text))
+
+    @classmethod
+    def _from_fields(cls, fields: dict) -> Knobs:
+        return cls(**{**fields, "resources": tuple(map(tuple, fields["resources"]))})
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """A variant and what measuring it gave, exactly as recorded (``measurement`` compares
+    equal to the one passed to :meth:`ProfileStore.record`)."""
+
+    knobs: Knobs
+    measurement: Measurement
+    measured_at: float
+    """Unix time of the record."""
+
+
+def default_cache_dir() -> Path:
+    """``$KAREUS_CACHE_DIR``, else ``$XDG_CACHE_HOME/kareus``, else ``~/.cache/kareus``."""
+    if os.environ.get("KAREUS_CACHE_DIR"):
+        return Path(os.environ["KAREUS_CACHE_DIR"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "kareus"
+
+
+class ProfileStore(Closing):
+    """Evaluations per :class:`ProfileKey`, persisted in one SQLite file (module docstring).
+
+    ``ProfileStore()`` opens the default file, ``ProfileStore(cache_dir=d)`` the one in
+    ``d``, ``ProfileStore(path)`` a given file. Open one per process; close it (or use it
+    as a context manager) when done.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        cache_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
+        if path is not None and cache_dir is not None:
+            raise ValueError("ProfileStore: pass path or cache_dir, not both")
+        if path is None:
+            path = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+            path = Path(path) / FILENAME
+        self.path = Path(path)
+        self._pid = os.getpid()
+        self._conn: sqlite3.Connection | None = None
+        _ensure_writable_dir(self.path)
+        with _file_lock(self.path):
+            self._conn = _open_checked(self.path)
+
+    # -- writing -------------------------------------------------------------------------
+
+    def record(self, key: ProfileKey, knobs: Knobs, measurement: Measurement) -> bool:
+        """Commit one evaluation now; True if it was added, False if (key, knobs) already
+        had one (the first is kept, so a rerun or a second rank recording it is harmless).
+
+        ``measurement.clock_mhz`` must be ``knobs.clock_mhz``: a mismatch is a caller's bug
+        that would otherwise poison every later lookup.
+        """
+        if measurement.clock_mhz != knobs.clock_mhz:
+            raise ValueError(
+                f"profile store: measurement at {measurement.clock_mhz} MHz recorded for "
+                f"knobs at {knobs.clock_mhz} MHz"
+            )
+        m = measurement
+        row = (
+            key.digest(),
+            knobs.json(),
+            m.time_s,
+            m.energy_j,
+            m.static_power_w,
+            m.clock_mhz,
+            m.method,
+            json.dumps(m.resources),
+            json.dumps(m.details, sort_keys=True),
+            m.model_version,
+            time.time(),
+        )
+        with self._write() as conn:
+            self._add_key(conn, key)
+            cursor = conn.execute(
+                "INSERT OR IGNORE INTO evaluations (key, knobs, time_s, energy_j, "
+                "static_power_w, clock_mhz, method, resources, details, model_version, "
+                "measured_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                row,
+            )
+            return cursor.rowcount == 1
+
+    def record_frontier(self, key: ProfileKey, points: Sequence[Knobs]) -> None:
+        """Replace the frontier the search last reported for ``key`` (its numbers are the
+        evaluations of those knobs)."""
+        text = json.dumps([asdict(k) for k in points])
+        with self._write() as conn:
+            self._add_key(conn, key)
+            conn.execute(
+                "INSERT OR REPLACE INTO frontiers (key, points, updated_at) VALUES (?, ?, ?)",
+                (key.digest(), text, time.time()),
+            )
+
+    # -- reading -------------------------------------------------------------------------
+
+    def evaluations(self, key: ProfileKey) -> list[Evaluation]:
+        """Every evaluation recorded for ``key``, in the order they were recorded."""
+        rows = self._query(f"{_SELECT} WHERE key = ? ORDER BY id", (key.digest(),))
+        return [_evaluation(row) for row in rows]
+
+    def lookup(self, key: ProfileKey, knobs: Knobs) -> Evaluation | None:
+        """The evaluation of exactly these knobs under ``key``, or None (one index probe)."""
+        rows = self._query(f"{_SELECT} WHERE key = ? AND knobs = ?", (key.digest(), knobs.json()))
+        return _evaluation(rows[0]) if rows else None
+
+    def frontier(self, key: ProfileKey) -> list[Knobs] | None:
+        """The frontier last recorded for ``key``, or None if none was."""
+        rows = self._query("SELECT points FROM frontiers WHERE key = ?", (key.digest(),))
+        if not rows:
+            return None
+        return [Knobs._from_fields(point) for point in json.loads(rows[0][0])]
+
+    def keys(self) -> list[ProfileKey]:
+        """Every key with something recorded, in the order first seen."""
+        rows = self._query("SELECT key_json FROM keys ORDER BY rowid", ())
+        return [ProfileKey.from_json(text) for (text,) in rows]
+
+    # -- lifetime ------------------------------------------------------------------------
+
+    def close(self) -> None:
+        # In a forked child the handle is the parent's: closing it could checkpoint and
+        # delete the WAL under the parent, so the child only drops its reference.
+        if self._conn is not None and os.getpid() == self._pid:
+            self._conn.close()
+        self._conn = None
+
+    def __repr__(self) -> str:
+        return f"ProfileStore({str(self.path)!r})"
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _connection(self) -> sqlite3.Connection:
+        if os.getpid() != self._pid:
+            # A forked child sharing the parent's SQLite handle corrupts its locks.
+            raise ProfileStoreError(
+                f"profile store {self.path} was opened in process {self._pid} and used in "
+                f"process {os.getpid()}; open a ProfileStore in each process"
+            )
+        if self._conn is None:
+            raise ProfileStoreError(f"profile store {self.path} is closed")
+        return self._conn
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        conn = self._connection()
+        with self._errors():
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield conn
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            conn.execute("COMMIT")
+
+    def _query(self, sql: str, params: tuple[object, ...]) -> list[tuple]:
+        conn = self._connection()
+        with self._errors():
+            return conn.execute(sql, params).fetchall()
+
+    @contextmanager
+    def _errors(self) -> Iterator[None]:
+        try:
+            yield
+        except sqlite3.Error as exc:
+            raise ProfileStoreError(f"profile store {self.path}: {exc}") from exc
+
+    @staticmethod
+    def _add_key(conn: sqlite3.Connection, key: ProfileKey) -> None:
+        conn.execute(
+            "INSERT OR IGNORE INTO keys (digest, key_json) VALUES (?, ?)",
+            (key.digest(), key.json()),
+        )
+
+
+_SELECT = (
+    "SELECT knobs, time_s, energy_j, static_power_w, clock_mhz, method, resources, details, "
+    "model_version, measured_at FROM evaluations"
+)
+
+
+def _evaluation(row: tuple) -> Evaluation:
+    knobs, time_s, energy_j, static_w, clock, method, resources, details, version, at = row
+    measurement = Measurement(
+        time_s=time_s,
+        energy_j=energy_j,
+        static_power_w=static_w,
+        clock_mhz=clock,
+        method=method,
+        resources=tuple((str(n), int(s)) for n, s in json.loads(resources)),
+        details=json.loads(details),
+        model_version=version,
+    )
+    return Evaluation(Knobs.from_json(knobs), measurement, at)
+
+
+# -- opening ------------------------------------------------------------------------------
+
+
+def _ensure_writable_dir(path: Path) -> None:
+    """Create the store's directory; refuse, naming it, one this process cannot write."""
+    directory = path.parent
+    hint = "set KAREUS_CACHE_DIR (or pass cache_dir) to a writable directory"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ProfileStoreError(
+            f"cannot create the profile store directory {directory}: {exc}; {hint}"
+        ) from exc
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ProfileStoreError(f"the profile store directory {directory} is not writable; {hint}")
+    if path.exists() and not os.access(path, os.R_OK | os.W_OK):
+        raise ProfileStoreError(f"the profile store {path} is not readable and writable; {hint}")
+
+
+@contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive flock on ``<path>.lock`` while the store is checked and built."""
+    lock_path = path.with_name(path.name + ".lock")
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as exc:
+        raise ProfileStoreError(f"cannot create the profile store lock {lock_path}: {exc}") from exc
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # Closing releases the lock.
+
+
+def _open_checked(path: Path) -> sqlite3.Connection:
+    """A connection to a valid store at ``path``: the file as found, or a fresh one after
+    setting aside a damaged or foreign file. Call under :func:`_file_lock`."""
+    problem = _problem(path)
+    if problem is not None:
+        reason, suffix = problem
+        moved = _set_aside(path, suffix)
+        logger.warning(
+            "profile store %s %s; moved it to %s and started an empty store (what it held "
+            "will be measured again)",
+            path,
+            reason,
+            moved,
+        )
+    try:
+        conn = _connect(path)
+        _create_schema(conn)
+    except sqlite3.Error as exc:
+        raise ProfileStoreError(f"cannot open the profile store {path}: {exc}") from exc
+    return conn
+
+
+def _connect(path: Path) -> sqlite3.Connection:
+    # isolation_level=None: no implicit transactions; _write issues BEGIN IMMEDIATE itself.
+    conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
+    conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+    return conn
+
+
+def _problem(path: Path) -> tuple[str, str] | None:
+    """Why the file at ``path`` cannot be used as it is, and the suffix to set it aside
+    under; None for a valid store, a missing file or an empty one. Reads only."""
+    try:
+        with open(path, "rb") as f:
+            header = f.read(len(_SQLITE_HEADER))
+    except FileNotFoundError:
+        return None
+    if not header:
+        return None
+    if header != _SQLITE_HEADER:
+        return "is not a SQLite database", "corrupt"
+    conn = None
+    try:
+        conn = _connect(path)
+        check = [row[0] for row in conn.execute("PRAGMA quick_check").fetchall()]
+        if check != ["ok"]:
+            return f"is corrupt ({'; '.join(check[:3])})", "corrupt"
+        app_id = conn.execute("PRAGMA application_id").fetchone()[0]
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        tables = conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]
+    except sqlite3.DatabaseError as exc:
+        return f"is corrupt ({exc})", "corrupt"
+    finally:
+        if conn is not None:
+            conn.close()
+    if app_id == 0 and version == 0 and tables == 0:
+        return None  # An empty database: a store whose creation was interrupted.
+    if app_id != APPLICATION_ID:
+        return "is a SQLite database but not a kareus profile store", f"schema-{version}"
+    if version != SCHEMA_VERSION:
+        return (
+            f"has schema version {version}, this kareus uses {SCHEMA_VERSION}",
+            f"schema-{version}",
+        )
+    return None
+
+
+def _set_aside(path: Path, suffix: str) -> Path:
+    """Rename ``path`` (and its WAL companions, which must not replay onto the new store)
+    to ``<path>.<suffix>-<time>``, never over an existing file."""
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    target = path.with_name(f"{path.name}.{suffix}-{stamp}")
+    n = 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}.{suffix}-{stamp}-{n}")
+    try:
+        path.rename(target)
+        for companion in ("-wal", "-shm"):
+            old = path.with_name(path.name + companion)
+            if old.exists():
+                old.rename(target.with_name(target.name + companion))
+    except OSError as exc:
+        raise ProfileStoreError(f"cannot set aside the profile store {path}: {exc}") from exc
+    return target
+
+
+def _create_schema(conn: sqlite3.Connection) -> None:
+    """Make ``conn``'s database a current store, if it is not one yet (idempotent)."""
+    conn.execute("PRAGMA journal_mode = WAL")  # Persistent in the file; a no-op once set.
+    conn.execute("PRAGMA synchronous = FULL")  # Per connection.
+    if conn.execute("PRAGMA application_id").fetchone()[0] == APPLICATION_ID:
+        return
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        # Statement by statement: executescript would COMMIT the transaction first.
+        for statement in filter(str.strip, _SCHEMA.split(";")):
+            conn.execute(statement)
+        conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")

@@ -1,0 +1,120 @@
+"""The partition search: frontiers against brute force, budget, early stop, determinism."""
+
+from __future__ import annotations
+
+import random
+import statistics
+
+import pytest
+
+from kareus.profiler.devices.base import Measurement
+from kareus.profiler.search import (
+    Config,
+    Point,
+    Space,
+    exhaustive,
+    hypervolume,
+    pareto,
+    reference_point,
+    search,
+)
+
+A100_CLOCKS = tuple(range(1410, 899, -30))
+SPACE = Space(slots=(0, 1, 2, 3), resources=(6, 12, 18, 24), clocks=A100_CLOCKS)
+
+
+def synthetic(config: Config) -> Measurement:
+    """A partition's shape in miniature: compute scales with 1/f, the collective is faster
+    with more SMs and hides behind the compute issued after its slot, SMs taken slow the
+    compute, dynamic power grows with f^3, static power is paid for the whole time."""
+    sms, f = config.sms, config.clock_mhz
+    compute = 1e-3 * (1410 / f) * (1 + 0.15 * sms / 24)
+    comm = 0.5e-3 * 24 / sms
+    hidden = compute * (1 - config.slot / 4)
+    t = compute + max(0.0, comm - hidden)
+    dynamic = 250 * (f / 1410) ** 3 * compute + 2.0 * sms * comm
+    return Measurement(t, 85 * t + dynamic, 85.0, f, "synthetic")
+
+
+def brute_force_front(points: list[Point]) -> set[Config]:
+    def dominated(p: Point) -> bool:
+        return any(
+            q.time_s <= p.time_s and q.energy_j <= p.energy_j
+            and (q.time_s < p.time_s or q.energy_j < p.energy_j)
+            for q in points
+        )
+
+    return {p.config for p in points if not dominated(p)}
+
+
+def test_pareto_matches_brute_force_on_random_points():
+    rng = random.Random(0)
+    for _ in range(20):
+        points = [
+            Point(Config(0, None, i), rng.random(), rng.random(), rng.random())
+            for i in range(40)
+        ]
+        front = pareto(points)
+        assert {p.config for p in front} == brute_force_front(points)
+        assert [p.time_s for p in front] == sorted(p.time_s for p in front)
+
+
+def test_hypervolume_of_a_known_front():
+    a = Point(Config(0, None, 1), 1.0, 3.0, 0.0)
+    b = Point(Config(0, None, 2), 2.0, 1.0, 0.0)
+    worse = Point(Config(0, None, 3), 2.5, 3.5, 0.0)
+    # [1, 2) x [3, 4) plus [2, 4) x [1, 4)
+    assert hypervolume([a, b, worse], (4.0, 4.0)) == pytest.approx(1 * 1 + 2 * 3)
+    assert hypervolume([worse], (2.0, 2.0)) == 0.0
+
+
+def test_a_budget_as_large_as_the_grid_finds_the_exhaustive_frontier():
+    small = Space(slots=(0, 2), resources=(6, 24), clocks=(1410, 1200, 900))
+    result = search(small, synthetic, budget=100, patience=100)
+    assert result.stopped == "exhausted" and len(result.points) == small.size
+    truth = exhaustive(small, synthetic)
+    # Configurations that tie on (time, energy) count once.
+    values = {(p.time_s, p.energy_j) for p in truth if p.config in brute_force_front(truth)}
+    assert {(p.time_s, p.energy_j) for p in result.frontier} == values
+
+
+def test_the_budget_is_kept_and_nothing_is_measured_twice():
+    calls: list[Config] = []
+
+    def counted(config: Config) -> Measurement:
+        calls.append(config)
+        return synthetic(config)
+
+    result = search(SPACE, counted, budget=20, patience=100)
+    assert len(calls) == 20 == len(set(calls)) and result.stopped == "budget"
+    assert calls[:2] == [Config(0, 6, 1410), Config(0, 6, 900)]  # the seeded start
+
+
+def test_a_flat_problem_stops_early():
+    def flat(config: Config) -> Measurement:
+        return Measurement(1.0, 100.0, 85.0, config.clock_mhz, "flat")
+
+    result = search(SPACE, flat, budget=50, patience=5)
+    assert result.stopped == "converged" and len(result.points) < 50
+
+
+def test_the_same_seed_proposes_the_same_points():
+    first, second = (search(SPACE, synthetic, budget=16, seed=3) for _ in range(2))
+    assert [p.config for p in first.points] == [p.config for p in second.points]
+    other = search(SPACE, synthetic, budget=16, seed=4)
+    assert [p.config for p in other.points] != [p.config for p in first.points]
+
+
+def test_the_search_beats_random_sampling_on_the_synthetic_partition():
+    truth = exhaustive(SPACE, synthetic)
+    reference = reference_point(truth)
+    full = hypervolume(truth, reference)
+    searched, sampled = [], []
+    for seed in range(3):
+        result = search(SPACE, synthetic, budget=32, seed=seed, patience=100)
+        searched.append(hypervolume(result.points, reference) / full)
+        rng = random.Random(seed)
+        picks = rng.sample(truth, 32)
+        sampled.append(hypervolume(picks, reference) / full)
+    assert statistics.median(searched) > statistics.median(sampled)
+    assert statistics.median(searched) >= 0.95
