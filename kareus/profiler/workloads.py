@@ -87,9 +87,14 @@ def partition_workload(
 
 
 def _random_like(val: torch.Tensor, p: NodePlacement, k: int) -> torch.Tensor:
-    shape = list(val.shape)
-    if isinstance(p, Split):
-        shape[p.dim] //= k
+    """Random values laid out as ``val`` (its strides: the graph may view it in ways only
+    that layout allows); one nanobatch of it where it is split, a slice as the rewrite
+    takes one."""
+    whole = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
     if val.dtype.is_floating_point:
-        return torch.randn(shape, dtype=val.dtype, device=val.device)
-    return torch.zeros(shape, dtype=val.dtype, device=val.device)
+        whole.normal_()
+    else:
+        whole.zero_()
+    if isinstance(p, Split):
+        return whole.narrow(p.dim, 0, val.shape[p.dim] // k)
+    return whole

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -138,10 +139,20 @@ def all_reduces(group: str, *sizes: int) -> torch.fx.GraphModule:
     return trace(fn, *((size // 2,) for size in sizes))
 
 
-def transformer_layer(
+@dataclass(frozen=True)
+class Compiled:
+    """A graph as Inductor's inner compiler receives it: the graph, its example inputs and
+    which of them are static (parameters and buffers; the forward's)."""
+
+    gm: torch.fx.GraphModule
+    inputs: tuple[object, ...]
+    static_input_idxs: tuple[int, ...]
+
+
+def compiled_layer(
     dim: int, heads: int, ffn_dim: int, batch: int, seq: int, tp: int = WORLD_SIZE
-) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
-    """Forward and backward graphs of one Llama-style block (``kareus.models.llama``: RMSNorm,
+) -> tuple[Compiled, Compiled]:
+    """Forward and backward of one Llama-style block (``kareus.models.llama``: RMSNorm,
     RoPE, causal attention, SwiGLU; no embedding or head, as in a middle pipeline stage)
     under tensor parallelism over the ``tp`` ranks of the default group, bf16, as AOT
     autograd hands them to Inductor (unrewritten)."""
@@ -150,10 +161,11 @@ def transformer_layer(
 
     from kareus.models.llama import LlamaConfig, fake_parallel_llama
 
-    graphs: list[torch.fx.GraphModule] = []
+    compiled: list[Compiled] = []
 
     def capture(gm: torch.fx.GraphModule, inputs: object, **kwargs: object) -> Callable:
-        graphs.append(gm)
+        static = tuple(kwargs.get("static_input_idxs") or ())  # type: ignore[arg-type]
+        compiled.append(Compiled(gm, tuple(inputs), static))  # type: ignore[arg-type]
         return make_boxed_func(gm.forward)
 
     cfg = LlamaConfig(dim=dim, n_layers=1, n_heads=heads, ffn_dim=ffn_dim, max_seq_len=seq)
@@ -170,8 +182,16 @@ def transformer_layer(
             torch.compile(step, backend=backend)(x).sum().backward()
     finally:
         torch._dynamo.reset()
-    forward, backward = graphs
+    forward, backward = compiled
     return forward, backward
+
+
+def transformer_layer(
+    dim: int, heads: int, ffn_dim: int, batch: int, seq: int, tp: int = WORLD_SIZE
+) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+    """The graphs of :func:`compiled_layer`."""
+    forward, backward = compiled_layer(dim, heads, ffn_dim, batch, seq, tp)
+    return forward.gm, backward.gm
 
 
 def attention_partition(
