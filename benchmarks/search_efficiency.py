@@ -195,6 +195,7 @@ def partition_space(
     case: Case,
     clocks: Sequence[int],
     resources: Sequence[int | None] | None = None,
+    default_sms: int | None = None,
 ) -> Space:
     """Every slot x SMs x clock; the SMs the choices offer where they are a real list (an
     NCCL group), else the method's ranges for the collective's kind (a fake group offers
@@ -205,7 +206,10 @@ def partition_space(
             offered if any(r is not None for r in offered)
             else (None, *METHOD_SMS.get(case.collective, ()))
         )
-    return Space(tuple(range(case.choices.launch_slots)), tuple(resources), tuple(clocks))
+    return Space(
+        tuple(range(case.choices.launch_slots)), tuple(resources), tuple(clocks),
+        default_sms=default_sms,
+    )
 
 
 def measure_grid(case: Case, gpu: SimulatedGPU, space: Space, k: int = 2) -> None:
@@ -541,7 +545,7 @@ def run(
         cases = distinct_partitions(analyses)
         start = time.perf_counter()
         for case in cases:
-            case.space = partition_space(case, clocks, resources)
+            case.space = partition_space(case, clocks, resources, gpu.spec.default_comm_sms)
             measure_grid(case, gpu, case.space)
             log(f"{case.label}: {case.space.size} points"
                 + (f", not measured ({case.error})" if case.error else ""))

@@ -40,11 +40,14 @@ class Config:
 
 @dataclass(frozen=True)
 class Space:
-    """The grid a partition is searched over; ``clocks`` descending from the default."""
+    """The grid a partition is searched over; ``clocks`` descending from the default.
+    ``default_sms``: what None (the library's default) amounts to, so the surrogate sees the
+    SM choices in the order of what they give the collective."""
 
     slots: tuple[int, ...]
     resources: tuple[int | None, ...]
     clocks: tuple[int, ...]
+    default_sms: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("slots", "resources", "clocks"):
@@ -52,6 +55,17 @@ class Space:
                 raise ValueError(f"search space: {name} is empty")
         if tuple(sorted(self.clocks, reverse=True)) != self.clocks:
             raise ValueError(f"search space: clocks must descend, got {self.clocks}")
+
+    @property
+    def ordered_resources(self) -> tuple[int | None, ...]:
+        """The SM choices by the SMs they give (None at ``default_sms``, else first)."""
+
+        def sms(choice: int | None) -> int:
+            if choice is not None:
+                return choice
+            return -1 if self.default_sms is None else self.default_sms
+
+        return tuple(sorted(self.resources, key=sms))
 
     @property
     def size(self) -> int:
@@ -198,7 +212,7 @@ def _encode(space: Space, config: Config) -> list[int]:
     """Indices into the space's choices (clock as an ordinal)."""
     return [
         space.slots.index(config.slot),
-        space.resources.index(config.sms),
+        space.ordered_resources.index(config.sms),
         space.clocks.index(config.clock_mhz),
     ]
 
@@ -236,7 +250,7 @@ def _propose(
         warnings.simplefilter("ignore")  # sklearn convergence chatter on tiny data
         optimizer.tell([_encode(space, p.config) for p in points], ys)
         slot, sms, clock = optimizer.ask()
-    config = Config(space.slots[slot], space.resources[sms], space.clocks[clock])
+    config = Config(space.slots[slot], space.ordered_resources[sms], space.clocks[clock])
     if config not in seen:
         return config
     unmeasured = [c for c in space if c not in seen]

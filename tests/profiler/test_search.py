@@ -118,3 +118,9 @@ def test_the_search_beats_random_sampling_on_the_synthetic_partition():
         sampled.append(hypervolume(picks, reference) / full)
     assert statistics.median(searched) > statistics.median(sampled)
     assert statistics.median(searched) >= 0.95
+
+
+def test_the_default_sms_sit_where_their_count_puts_them():
+    space = Space(slots=(0,), resources=(None, 3, 30), clocks=(1410,), default_sms=24)
+    assert space.ordered_resources == (3, None, 30)
+    assert Space(slots=(0,), resources=(3, None), clocks=(1410,)).ordered_resources == (None, 3)
