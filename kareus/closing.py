@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import abc
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self from Python 3.11
 
 
-class Closing:
+class Closing(abc.ABC):
     """``with obj:`` closes ``obj`` on leaving, whatever happened inside."""
 
+    @abc.abstractmethod
     def close(self) -> None:
-        raise NotImplementedError
+        """Release what the object holds; safe to call twice."""
 
     def __enter__(self) -> Self:
         return self
