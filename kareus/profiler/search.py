@@ -3,13 +3,25 @@
 A partition variant is a launch slot for the other nanobatch's collective, the SMs that
 collective gets, and an SM clock (REFERENCE.md section 1); measuring one on a real GPU
 takes seconds, so the search spends an evaluation budget where the frontier can still
-move. It is multi-pass multi-objective Bayesian optimisation (DESIGN.md section 5): each
-proposal comes from one of several scalarisations of (time, energy) and (time, effective
-energy), in turn, and every pass is told every measurement. Clock is an ordinal dimension
-(time falls and power rises monotonically with it, which the surrogate can use); the start
-is seeded and always holds the default variant at the highest and lowest clocks. The search
-stops at the budget, when the grid is exhausted, or when the hypervolume of the frontier
-has not improved for ``patience`` evaluations.
+move. Two kinds of step share every measurement:
+
+- a clock step uses the structure of the clock: for one schedule (slot, SMs) time falls
+  with the clock as a + b/f and energy is convex in it, so a few measured clocks predict
+  the rest (interpolated between measured clocks, elsewhere scaled like the schedule with
+  the most measured clocks), and no clock below one that costs more energy than a higher
+  one can be on the frontier. The frontier is mostly "the best schedules x their clocks",
+  so the unmeasured clock of a measured schedule whose predicted point would add most
+  hypervolume (total plus effective energy) is measured next, while that gain exceeds
+  ``tolerance``;
+- otherwise, multi-pass multi-objective Bayesian optimisation (DESIGN.md section 5) looks
+  for better schedules: each proposal comes from one of several scalarisations of (time,
+  energy) and (time, effective energy), in turn, with clock as an ordinal dimension.
+
+Only measured points are returned: predictions choose what to measure, never what is
+reported. The start is seeded and always holds the default variant at the highest and
+lowest clocks (they give the first clock curve). The search stops at the budget, when
+the grid is exhausted, or when the hypervolume of the frontier has not improved for
+``patience`` evaluations.
 
 Everything here is deterministic for a seed: every rank that runs it on the same
 measurements proposes the same points in the same order.
@@ -175,12 +187,16 @@ def search(
     for config in _start(space, rng, min(initial, budget)):
         measure(config)
     reference = reference_point(points)
+    references = {energy: reference_point(points, energy) for energy in (ENERGY, EFFECTIVE)}
     best, stale = hypervolume(points, reference), 0
     result.hypervolumes = [best] * len(points)
     passes = itertools.cycle(itertools.product(WEIGHTS, (ENERGY, EFFECTIVE)))
     while len(points) < min(budget, space.size):
-        weight, energy = next(passes)
-        measure(_propose(space, points, seen, weight, energy, rng, seed + len(points)))
+        config = _clock_step(space, points, seen, references, tolerance)
+        if config is None:
+            weight, energy = next(passes)
+            config = _propose(space, points, seen, weight, energy, rng, seed + len(points))
+        measure(config)
         volume = hypervolume(points, reference)
         result.hypervolumes.append(volume)
         if volume > best * (1 + tolerance):
@@ -208,6 +224,104 @@ def _start(space: Space, rng: random.Random, n: int) -> list[Config]:
     return (start + rest)[:n]
 
 
+Curve = dict[int, Point]  # one schedule's measured points by clock
+
+
+def _curves(points: Iterable[Point]) -> dict[tuple[int, int | None], Curve]:
+    """The measured points of each schedule (slot, SMs), by clock."""
+    curves: dict[tuple[int, int | None], Curve] = {}
+    for p in points:
+        curves.setdefault((p.config.slot, p.config.sms), {})[p.config.clock_mhz] = p
+    return curves
+
+
+def _between(curve: Curve, clock: int) -> tuple[float, float] | None:
+    """(time, energy) at ``clock`` from the measured clocks either side of it: time as
+    a + b/f through both, energy along their chord (above a convex curve, so a cautious
+    guess); None outside the measured range."""
+    if clock in curve:
+        return curve[clock].time_s, curve[clock].energy_j
+    high = min((c for c in curve if c > clock), default=None)
+    low = max((c for c in curve if c < clock), default=None)
+    if high is None or low is None:
+        return None
+    a, b = curve[high], curve[low]
+    w = (1 / clock - 1 / high) / (1 / low - 1 / high)
+    v = (high - clock) / (high - low)
+    return a.time_s + w * (b.time_s - a.time_s), a.energy_j + v * (b.energy_j - a.energy_j)
+
+
+def _predict(curves: dict[tuple[int, int | None], Curve], config: Config) -> Point | None:
+    """A guess at an unmeasured clock of a measured schedule: interpolated where measured
+    clocks bracket it, else its nearest measured point scaled by how the schedule with the
+    most measured clocks bracketing both changes between them (clock responses of one
+    partition's schedules differ mostly in scale). Effective energy at the anchor's static
+    power."""
+    curve = curves[(config.slot, config.sms)]
+    guess = _between(curve, config.clock_mhz)
+    anchor = curve[min(curve, key=lambda c: (abs(c - config.clock_mhz), -c))]
+    if guess is None:
+        shapes = [
+            (len(other), at, base) for other in curves.values()
+            if (at := _between(other, config.clock_mhz)) is not None
+            and (base := _between(other, anchor.config.clock_mhz)) is not None
+        ]
+        if not shapes:
+            return None
+        _, at, base = max(shapes, key=operator.itemgetter(0))
+        guess = anchor.time_s * at[0] / base[0], anchor.energy_j * at[1] / base[1]
+    time_s, energy_j = guess
+    static_w = (anchor.energy_j - anchor.effective_energy_j) / anchor.time_s
+    return Point(config, time_s, energy_j, energy_j - static_w * time_s)
+
+
+def _floor(curve: Curve) -> int:
+    """The highest measured clock that costs at least as much energy as a higher measured
+    one: with time falling and energy convex in the clock, every clock below it is
+    dominated by it (0: none known)."""
+    clocks = sorted(curve, reverse=True)
+    return max(
+        (low for i, low in enumerate(clocks)
+         if any(curve[low].energy_j >= curve[high].energy_j for high in clocks[:i])),
+        default=0,
+    )
+
+
+def _clock_step(
+    space: Space,
+    points: list[Point],
+    seen: set[Config],
+    references: dict[Objective, tuple[float, float]],
+    tolerance: float,
+) -> Config | None:
+    """The unmeasured clock of a measured schedule whose predicted point adds the most
+    hypervolume, relative and summed over total and effective energy; None where none adds
+    more than ``tolerance`` (a new schedule is worth more). A candidate must beat the best
+    so far by ``tolerance`` too: near-ties go to the earliest measured schedule."""
+    curves = _curves(points)
+    fronts = {energy: pareto(points, energy) for energy in references}
+    volumes = {energy: hypervolume(fronts[energy], ref, energy)
+               for energy, ref in references.items()}
+    best: Config | None = None
+    best_gain = 0.0
+    for (slot, sms), curve in curves.items():
+        floor = _floor(curve)
+        for clock in space.clocks:
+            config = Config(slot, sms, clock)
+            if config in seen or clock < floor:
+                continue
+            guess = _predict(curves, config)
+            if guess is None:
+                continue
+            gain = sum(
+                hypervolume([*fronts[e], guess], ref, e) / volumes[e] - 1
+                for e, ref in references.items() if volumes[e] > 0
+            )
+            if gain > best_gain + tolerance:
+                best, best_gain = config, gain
+    return best
+
+
 def _encode(space: Space, config: Config) -> list[int]:
     """Indices into the space's choices (clock as an ordinal)."""
     return [
@@ -229,7 +343,7 @@ def _propose(
     """The next configuration by a Gaussian-process surrogate of one scalarisation, told
     every measurement; a random unmeasured one where the surrogate repeats itself."""
     from skopt import Optimizer
-    from skopt.space import Integer
+    from skopt.space import Categorical, Integer
 
     times = [p.time_s for p in points]
     energies = [energy(p) for p in points]
@@ -240,8 +354,10 @@ def _propose(
 
     ys = [weight * scale(t, times) + (1 - weight) * scale(e, energies)
           for t, e in zip(times, energies, strict=True)]
-    dims = [Integer(0, len(choices) - 1) for choices in
-            (space.slots, space.resources, space.clocks)]
+    dims = [  # skopt's Integer needs two values at least; a fixed knob is one category
+        Integer(0, len(choices) - 1) if len(choices) > 1 else Categorical([0])
+        for choices in (space.slots, space.resources, space.clocks)
+    ]
     optimizer = Optimizer(
         dims, base_estimator="GP", n_initial_points=0, random_state=seed,
         acq_optimizer="sampling", acq_optimizer_kwargs={"n_points": min(space.size, 1000)},

@@ -70,6 +70,26 @@ class Device(abc.ABC):
     should drive :meth:`clock_controller`: true only for a device that is the GPU this
     process runs on. A model's controller only records switches for planning."""
 
+    models_resources: ClassVar[bool] = False
+    """Whether :meth:`measure` applies SM caps given as ``resources`` (a model). A real GPU
+    caps a collective only through a capped communicator the runtime creates."""
+
+    deterministic: ClassVar[bool] = False
+    """Whether measuring the same workload again gives the same answer (a model): the
+    measurement protocol then measures once instead of repeating."""
+
+    @property
+    def identity(self) -> str:
+        """What makes two devices' measurements interchangeable (a profile store key): the
+        GPU model, not which one of a node's GPUs."""
+        return self.name
+
+    @property
+    def model_version(self) -> str | None:
+        """The model its measurements come from (``Measurement.model_version``); None for
+        real hardware."""
+        return None
+
     @abc.abstractmethod
     def supported_clocks(self) -> tuple[int, ...]:
         """Every SM clock (MHz) the device accepts, descending."""

@@ -169,6 +169,12 @@ class NvmlGPU(Device, Closing):
             nvml.nvmlShutdown()
             raise
 
+    @property
+    def identity(self) -> str:
+        """The GPU model, and whether clocks really change (a dry run measures every clock
+        at the default ones): a profile measured on one H200 holds for another."""
+        return f"{'nvml-dry-run' if self.dry_run else 'nvml'}:{self.gpu_name}"
+
     def supported_clocks(self) -> tuple[int, ...]:
         return self._supported
 

@@ -715,7 +715,7 @@ class _Timeline:
             clock_mhz=self.requested if requested is None else requested,
             method="simulated",
             resources=self.ev.resources,
-            model_version=f"{spec.model_version} {spec.name}",
+            model_version=f"{spec.model_version} {spec.name}",  # SimulatedGPU.model_version
             details={
                 "power_limited_mhz": float(limited_mhz),
                 "compute_s": self.compute_s,
@@ -747,10 +747,17 @@ def _is_sm_count(value: object, sm_count: int) -> bool:
 class SimulatedGPU(Device):
     """A :class:`Device` whose measurements come from the model above (no hardware)."""
 
+    deterministic = True
+    models_resources = True
+
     def __init__(self, spec: GPUSpec | str) -> None:
         self.spec = load_preset(spec) if isinstance(spec, str) else spec
         self.name = self.spec.name
         self._controller = RecordingClockController()
+
+    @property
+    def model_version(self) -> str:
+        return f"{self.spec.model_version} {self.spec.name}"
 
     def supported_clocks(self) -> tuple[int, ...]:
         return self.spec.supported_clocks()

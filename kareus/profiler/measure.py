@@ -1,0 +1,141 @@
+"""The measurement protocol: how one variant's time and energy are taken, and summed over a group.
+
+A real GPU's reading of one window is noisy (the energy counter updates every ~20-100 ms,
+clocks and temperature drift), so a variant is measured ``repeats`` times and the medians
+are kept; where the repeats disagree by more than ``max_spread`` more are taken, up to
+``max_repeats``, and a variant that stays unsteady is kept with its spread in the details
+and a warning. The device itself does the rest of the protocol, per window: the settle
+time after a clock change and the warm-up run that sizes a window long enough for the
+energy counter (``NvmlGPU(settle_s=..., min_window_s=...)``). A deterministic device (the
+simulated GPU) is measured once: its answer is analytic and instant.
+
+A partition variant runs on every rank of its collective's group at once, so what it
+costs is the group's: time is the slowest rank's, energy the sum over the ranks
+(:func:`group_measurement`).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from kareus.profiler.devices.base import Device, Measurement, Resources, Workload
+from kareus.profiler.devices.nvml import DEFAULT_SETTLE_S
+from kareus.profiler.devices.nvml_energy import DEFAULT_MIN_WINDOW_S
+
+log = logging.getLogger("kareus")
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """How many times a variant is measured and how steady the repeats must be.
+
+    Defaults: 3 repeats, at most 6, a spread (max - min over the median, of time and of
+    energy) of at most 5%, no pause between repeats. With the NVML device's defaults (0.1 s
+    settle after a clock change, windows of at least 0.5 s) one evaluation takes about
+    2 s of GPU time (:meth:`seconds_per_evaluation`).
+    """
+
+    repeats: int = 3
+    max_repeats: int = 6
+    max_spread: float = 0.05
+    cooldown_s: float = 0.0
+    """Pause between repeats (the method's artifact waited 5 s for thermals to settle)."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.repeats <= self.max_repeats:
+            raise ValueError(
+                f"measurement protocol: need 1 <= repeats <= max_repeats, got "
+                f"repeats={self.repeats}, max_repeats={self.max_repeats}"
+            )
+        if not self.max_spread > 0:
+            raise ValueError(f"measurement protocol: max_spread must be > 0: {self.max_spread}")
+        if not self.cooldown_s >= 0:
+            raise ValueError(f"measurement protocol: cooldown_s must be >= 0: {self.cooldown_s}")
+
+    def seconds_per_evaluation(
+        self,
+        run_s: float,
+        *,
+        settle_s: float = DEFAULT_SETTLE_S,
+        min_window_s: float = DEFAULT_MIN_WINDOW_S,
+    ) -> float:
+        """GPU time one steady evaluation of a variant taking ``run_s`` per run costs: the
+        settle after its clock change, then per repeat a warm-up run and a window of 110%
+        of ``min_window_s`` (as the energy meter sizes it), and the pauses between repeats."""
+        window_s = max(run_s, 1.1 * min_window_s)
+        return settle_s + self.repeats * (run_s + window_s) + (self.repeats - 1) * self.cooldown_s
+
+
+def measure_variant(
+    device: Device,
+    workload: Workload,
+    clock_mhz: int,
+    *,
+    resources: Resources | None = None,
+    protocol: Protocol = Protocol(),
+    sleep: Callable[[float], None] = time.sleep,
+) -> Measurement:
+    """One variant on this rank's GPU under ``protocol``: the medians of its repeats."""
+    def once() -> Measurement:
+        return device.measure(workload, clock_mhz, resources=resources)
+
+    if device.deterministic:
+        return once()
+    runs = [once()]
+    while len(runs) < protocol.repeats or (
+        _spread(runs) > protocol.max_spread and len(runs) < protocol.max_repeats
+    ):
+        if protocol.cooldown_s:
+            sleep(protocol.cooldown_s)
+        runs.append(once())
+    spread = _spread(runs)
+    if spread > protocol.max_spread:
+        log.warning(
+            "%s at %d MHz on %s: %d repeats still spread by %.1f%% (> %.1f%%); keeping "
+            "their medians", workload.name, clock_mhz, device.name, len(runs), 100 * spread,
+            100 * protocol.max_spread,
+        )
+    middle = min(runs, key=lambda m: abs(m.time_s - statistics.median(r.time_s for r in runs)))
+    return replace(
+        middle,
+        time_s=statistics.median(m.time_s for m in runs),
+        energy_j=statistics.median(m.energy_j for m in runs),
+        details={**middle.details, "repeats": float(len(runs)), "spread": spread},
+    )
+
+
+def group_measurement(per_rank: Sequence[Measurement], group_size: int) -> Measurement:
+    """What a variant costs its whole group: the slowest rank's time, the ranks' energy and
+    static power summed. One measurement stands for a symmetric group of ``group_size``
+    (a process modelling its group, e.g. under the fake process group); otherwise there must
+    be one per rank, in rank order (the result is the same on every rank that reduces them).
+    """
+    if not per_rank:
+        raise ValueError("group_measurement: no measurements")
+    if len(per_rank) not in (1, group_size):
+        raise ValueError(
+            f"group_measurement: {len(per_rank)} measurements for a group of {group_size}"
+        )
+    copies = group_size if len(per_rank) == 1 else 1
+    slowest = max(range(len(per_rank)), key=lambda r: per_rank[r].time_s)
+    first = per_rank[0]
+    return replace(
+        first,
+        time_s=per_rank[slowest].time_s,
+        energy_j=copies * sum(m.energy_j for m in per_rank),
+        static_power_w=copies * sum(m.static_power_w for m in per_rank),
+        details={**first.details, "ranks": float(group_size), "slowest_rank": float(slowest)},
+    )
+
+
+def _spread(runs: Sequence[Measurement]) -> float:
+    """The larger of time's and energy's (max - min) / median over the repeats."""
+    def relative(values: list[float]) -> float:
+        middle = statistics.median(values)
+        return (max(values) - min(values)) / middle if middle > 0 else 0.0
+
+    return max(relative([m.time_s for m in runs]), relative([m.energy_j for m in runs]))

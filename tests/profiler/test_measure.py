@@ -1,0 +1,107 @@
+import logging
+
+import pytest
+
+from kareus.profiler.devices import SimulatedGPU
+from kareus.profiler.devices.base import Device, Measurement, Workload
+from kareus.profiler.measure import Protocol, group_measurement, measure_variant
+from kareus.runtime.clock import RecordingClockController
+
+
+class Scripted(Device):
+    """A GPU whose successive measurements are given (time, energy) pairs."""
+
+    name = "scripted"
+
+    def __init__(self, readings):
+        self.readings = list(readings)
+        self.calls = 0
+
+    def supported_clocks(self):
+        return (1410, 900)
+
+    def search_clocks(self):
+        return (1410, 900)
+
+    @property
+    def static_power_w(self):
+        return 85.0
+
+    def measure(self, workload, clock_mhz, *, resources=None):
+        t, e = self.readings[self.calls]
+        self.calls += 1
+        return Measurement(t, e, 85.0, clock_mhz, "scripted")
+
+    def clock_controller(self):
+        return RecordingClockController()
+
+
+W = Workload("w")
+
+
+def test_steady_repeats_give_their_medians():
+    gpu = Scripted([(1.00, 10.0), (1.02, 10.4), (0.99, 10.1)])
+    m = measure_variant(gpu, W, 1410)
+    assert gpu.calls == 3
+    assert (m.time_s, m.energy_j) == (1.00, 10.1)
+    assert m.details["repeats"] == 3 and m.details["spread"] == pytest.approx(0.4 / 10.1)
+
+
+def test_an_unsteady_variant_is_measured_again_until_steady():
+    # the third repeat is an outlier (a missed counter update): the median out-votes it
+    gpu = Scripted([(1.00, 10.0), (1.01, 10.0), (1.00, 13.0), (1.00, 10.1), (1.0, 10.0)] * 2)
+    m = measure_variant(gpu, W, 1410, protocol=Protocol(repeats=3, max_repeats=5))
+    assert gpu.calls == 5  # still 30% apart at 4: the fifth is the last allowed
+    assert m.energy_j == 10.0
+
+
+def test_a_variant_that_stays_unsteady_is_kept_with_a_warning(caplog):
+    gpu = Scripted([(1.0, 10.0), (2.0, 10.0)] * 3)
+    with caplog.at_level(logging.WARNING, logger="kareus"):
+        m = measure_variant(gpu, W, 900, protocol=Protocol(repeats=2, max_repeats=4))
+    assert gpu.calls == 4 and m.details["spread"] == pytest.approx(2 / 3)
+    assert "still spread by 66.7%" in caplog.text
+
+
+def test_cooldown_between_repeats_only():
+    slept = []
+    gpu = Scripted([(1.0, 10.0)] * 3)
+    measure_variant(gpu, W, 1410, protocol=Protocol(cooldown_s=5.0), sleep=slept.append)
+    assert slept == [5.0, 5.0]
+
+
+def test_a_model_is_measured_once(monkeypatch):
+    gpu = SimulatedGPU("sim:a100-sxm4-40gb")
+    calls = []
+    monkeypatch.setattr(gpu, "measure", lambda *a, **k: calls.append(a) or "m")
+    assert measure_variant(gpu, W, 1410) == "m" and len(calls) == 1
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"repeats": 0}, {"repeats": 4, "max_repeats": 3}, {"max_spread": 0.0},
+               {"cooldown_s": -1.0}]
+)
+def test_bad_protocols_are_refused(kwargs):
+    with pytest.raises(ValueError, match="measurement protocol"):
+        Protocol(**kwargs)
+
+
+def test_a_group_takes_the_slowest_time_and_the_summed_energy():
+    ranks = [Measurement(1.0, 10.0, 85.0, 1410, "x"), Measurement(1.5, 12.0, 85.0, 1410, "x")]
+    m = group_measurement(ranks, 2)
+    assert (m.time_s, m.energy_j, m.static_power_w) == (1.5, 22.0, 170.0)
+    assert m.details["slowest_rank"] == 1
+    assert m.effective_energy_j == pytest.approx(22.0 - 170.0 * 1.5)
+
+
+def test_one_measurement_stands_for_a_symmetric_group():
+    m = group_measurement([Measurement(1.0, 10.0, 85.0, 1410, "x")], 8)
+    assert (m.time_s, m.energy_j, m.static_power_w) == (1.0, 80.0, 680.0)
+    with pytest.raises(ValueError, match="3 measurements for a group of 8"):
+        group_measurement([m] * 3, 8)
+
+
+def test_the_protocols_gpu_time_per_evaluation():
+    # 0.1 s settle + 3 x (a 10 ms warm-up run + a 0.55 s window)
+    assert Protocol().seconds_per_evaluation(0.01) == pytest.approx(0.1 + 3 * 0.56)
+    assert Protocol(cooldown_s=5).seconds_per_evaluation(0.01) == pytest.approx(10.1 + 3 * 0.56)
