@@ -6,6 +6,8 @@
 
 from typing import TYPE_CHECKING, Any
 
+__version__ = "0.1.0"  # first: the profile store keys its records by it
+
 from kareus.errors import KareusError
 from kareus.options import KareusOptionError, KareusOptions
 from kareus.passes.reasons import Reason, ReasonKind
@@ -19,8 +21,6 @@ from kareus.runtime.clock import (
 
 if TYPE_CHECKING:
     from kareus.backend import KareusBackend, clear_graph_reports, graph_reports
-
-__version__ = "0.1.0"
 
 # The backend pulls in Inductor; ``import kareus`` (and every submodule import, such as a
 # clock controller's) stays light until it is used.

@@ -28,7 +28,11 @@ from kareus.passes.decide import Decision, Policy, VariantChooser, decide, earli
 from kareus.passes.nanobatch import CannotRewrite
 from kareus.passes.reasons import Reason, ReasonKind
 from kareus.profiler.devices.base import Device, Measurement
-from kareus.reports import GraphReport, print_report
+from kareus.profiler.measure import Protocol
+from kareus.profiler.profile import PartitionProfile, Settings, profile_graph
+from kareus.profiler.progress import ProfilingProgress, summary_table
+from kareus.profiler.store import ProfileStore
+from kareus.reports import GraphReport, make_console, print_report
 from kareus.runtime import process_runtime
 from kareus.runtime.agreement import agree
 
@@ -40,7 +44,8 @@ class KareusBackend:
 
     ``chooser`` picks each rewritten graph's variant (default: every collective at its
     earliest slot); it must choose alike on every rank. ``device`` overrides the
-    ``device`` option with an opened Device. What is truly per process (the GPU's clock
+    ``device`` option with an opened Device; ``protocol`` is how its variants are measured
+    while profiling (``profiler.measure.Protocol``). What is truly per process (the GPU's clock
     controller, capped communicators, agreement counters) belongs to ``process_runtime()``.
     """
 
@@ -51,12 +56,15 @@ class KareusBackend:
         chooser: VariantChooser = earliest_slots,
         clock_mhz: int | None = None,
         device: Device | None = None,
+        protocol: Protocol | None = None,
     ) -> None:
         self.options = KareusOptions.from_dict(options)
         kwargs = {} if clock_mhz is None else {"clock_mhz": clock_mhz}
         self.policy = Policy(self.options.nanobatches, chooser, **kwargs)
         self.runtime = process_runtime()
         self._device = device
+        self.protocol = protocol or Protocol()
+        self._store: ProfileStore | None = None
         self._driving = False
         self._lock = threading.Lock()
         self._reports: list[tuple[int, GraphReport]] = []
@@ -108,18 +116,78 @@ class KareusBackend:
         )
         if kind == "forward":
             self._forwards[region] = analysis.interfaces
+        compile_key = self.runtime.compiles.key(analysis.shape_free_key)
+        profiles, profile_note = self._profile(analysis, compile_key)
         decision = decide(analysis, self.policy)
-        compiled, decision = self._agreed(gm, analysis, decision)
-        estimate, note = self._estimate(compiled, analysis.label)
+        compiled, decision = self._agreed(gm, analysis, decision, compile_key)
+        estimate, estimate_note = self._estimate(compiled, analysis.label)
         report = GraphReport.build(
             analysis, decision, lowering=self.options.lowering, device=self.device.name,
-            estimate=estimate, notes=(note,) if note else (),
+            estimate=estimate, notes=tuple(n for n in (profile_note, estimate_note) if n),
+            profiles=profiles,
         )
         self._record(report)
         return compiled
 
+    def _profile(
+        self, analysis: GraphAnalysis, compile_key: str
+    ) -> tuple[tuple[PartitionProfile, ...], str | None]:
+        """The frontiers of the graph's distinct partitions at the requested nanobatch count,
+        from the profile store or measured now (``profiler.profile``), and why not where
+        the ranks do not all profile this graph alike. Rank 0 shows progress and a summary;
+        the device's clocks are back at default afterwards.
+
+        Every rank of the graph's collectives first confirms (through the store, as the
+        decision is) that all of them will search the same graph with the same settings,
+        so that a leader never waits out the timeout for a rank that will not follow.
+        """
+        options, k = self.options, self.options.nanobatches
+        wants = options.profile != "off" and k > 1 and k in analysis.space.nanobatches
+        if not analysis.collectives:
+            return (), None
+        settings = Settings(
+            options.profile, options.search_budget, options.seed, options.agreement_timeout_s,
+            self.protocol,
+        )
+        verdict = agree(
+            f"{compile_key}/profile", (analysis.key, k, settings) if wants else None,
+            (c.group_name for c in analysis.collectives), timeout_s=options.agreement_timeout_s,
+        )
+        if not wants:
+            return (), None
+        if not verdict:
+            return (), f"not profiled: the ranks do not all profile this graph ({verdict.reason})"
+        shows = not dist.is_initialized() or dist.get_rank() == 0
+        device = self.device
+        try:
+            with ProfilingProgress(shows) as progress:
+                profiles = profile_graph(
+                    analysis, k, device, self.store, settings, prefix=compile_key,
+                    progress=progress,
+                    lower=lambda gm, inputs: lower(gm, inputs, self.options.lowering),
+                )
+        finally:
+            if device.controls_clocks:
+                device.clock_controller().reset()
+        if shows and profiles:
+            make_console().print(summary_table(
+                f"kareus {analysis.label}: partition frontiers on {device.identity}", profiles
+            ))
+        return profiles, None
+
+    @property
+    def store(self) -> ProfileStore:
+        """The profile store of ``options.cache_dir``, opened at the first profiling."""
+        if self._store is None:
+            self._store = ProfileStore(cache_dir=self.options.cache_dir)
+        return self._store
+
     def _agreed(
-        self, gm: torch.fx.GraphModule, analysis: GraphAnalysis, decision: Decision
+        self,
+        gm: torch.fx.GraphModule,
+        analysis: GraphAnalysis,
+        decision: Decision,
+        compile_key: str,
     ) -> tuple[torch.fx.GraphModule, Decision]:
         """The graph that runs and the decision every rank of its collectives took.
 
@@ -136,7 +204,7 @@ class KareusBackend:
                 decision = decision.fallback(Reason(ReasonKind.CANNOT_REWRITE, None, str(exc)))
         if analysis.collectives:
             verdict = agree(
-                self.runtime.compiles.key(analysis.shape_free_key), decision.variant,
+                compile_key, decision.variant,
                 (c.group_name for c in analysis.collectives),
                 timeout_s=self.options.agreement_timeout_s,
             )

@@ -55,6 +55,41 @@ class KareusOptions:
             "collectives to confirm the same rewrite before it runs that graph unrewritten",
         },
     )
+    profile: str = dataclasses.field(
+        default="auto",
+        metadata={
+            "choices": ("auto", "off", "refresh"),
+            "doc": "search each distinct partition of a rewritten graph for its time-energy "
+            "frontier on the device; auto: reuse what the profile store holds, refresh: "
+            "measure again and replace it, off: no profiling",
+        },
+    )
+    search_budget: int = dataclasses.field(
+        default=32,
+        metadata={
+            "validate": lambda value: _count_problem(value),
+            "accepted": "an integer >= 1",
+            "doc": "the most variants measured per distinct partition (the search may stop "
+            "earlier once the frontier stops improving)",
+        },
+    )
+    seed: int = dataclasses.field(
+        default=0,
+        metadata={
+            "type": int,
+            "doc": "seeds the search's random start and surrogate: the same seed, store and "
+            "device give the same frontiers",
+        },
+    )
+    cache_dir: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "validate": lambda value: _directory_problem(value),
+            "accepted": "None | a directory path",
+            "doc": "where the profile store lives (None: $KAREUS_CACHE_DIR, else "
+            "$XDG_CACHE_HOME/kareus, else ~/.cache/kareus); must be a local filesystem",
+        },
+    )
     explain: bool = dataclasses.field(
         default=False,
         metadata={
@@ -107,6 +142,20 @@ def _timeout_problem(value: object) -> str | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return "not a number"
     return None if 0 < value < float("inf") else "must be finite and > 0"
+
+
+def _count_problem(value: object) -> str | None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        return "not an integer"
+    return None if value >= 1 else "must be >= 1"
+
+
+def _directory_problem(value: object) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        return "not a string"
+    return None if value.strip() else "empty"
 
 
 def _accepted(f: dataclasses.Field) -> str:

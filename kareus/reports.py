@@ -21,6 +21,7 @@ from kareus.passes.placement import per_nanobatch
 from kareus.passes.reasons import Reason
 from kareus.passes.variants import Variant, VariantSpace
 from kareus.profiler.devices.base import Measurement
+from kareus.profiler.profile import PartitionProfile
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,7 @@ class GraphReport:
     variant: Variant | None  # the point of the space that runs (None: unrewritten)
     barriers: tuple[Reason, ...]  # where split regions end, and why
     coverage: Coverage
+    profiles: tuple[PartitionProfile, ...] = ()  # frontiers of its distinct partitions
 
     @classmethod
     def build(
@@ -103,6 +105,7 @@ class GraphReport:
         device: str,
         estimate: Measurement | None = None,
         notes: tuple[str, ...] = (),
+        profiles: tuple[PartitionProfile, ...] = (),
     ) -> GraphReport:
         placed = analysis.placements_at(decision.requested)
         split = sum(per_nanobatch(placed.placements[c.node]) for c in analysis.collectives)
@@ -131,6 +134,7 @@ class GraphReport:
             variant=decision.variant,
             barriers=barriers,
             coverage=Coverage(split, len(analysis.collectives), barriers[0] if barriers else None),
+            profiles=profiles,
         )
 
     def to_dict(self) -> dict[str, object]:

@@ -40,6 +40,13 @@ def clock_lock_dir(tmp_path_factory, monkeypatch):
 
 
 @pytest.fixture(autouse=True)
+def profile_cache_dir(tmp_path_factory, monkeypatch):
+    """Profile stores of compiles that do not name a cache_dir go to a per-test directory,
+    never the user's ~/.cache/kareus (a test would otherwise reuse an earlier run's)."""
+    monkeypatch.setenv("KAREUS_CACHE_DIR", str(tmp_path_factory.mktemp("kareus-cache")))
+
+
+@pytest.fixture(autouse=True)
 def fresh_compile_state():
     torch._dynamo.reset()
     kareus.clear_graph_reports()

@@ -5,30 +5,17 @@ different nanobatch counts both run the graph unrewritten, a slowed rank is wait
 and every outcome is the same on both ranks.
 """
 
-import pickle
-import socket
-import tempfile
 import time
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
-import torch.multiprocessing as mp
+from gloo import AllReduceBlock as Block
+from gloo import report, run_ranks
 
 import kareus
 
 pytestmark = pytest.mark.slow
-
-
-class Block(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
-
-    def forward(self, x):
-        return self.b(torch.relu(funcol.all_reduce(self.a(x), "sum", dist.group.WORLD)))
 
 
 def _worker(rank, port, out_dir, nanobatches, delay_s, timeout_s):
@@ -64,24 +51,14 @@ def _worker(rank, port, out_dir, nanobatches, delay_s, timeout_s):
         )
         reports = [(r.kind, r.nanobatches, r.fallback) for r in kareus.graph_reports()]
         result = ((out - expected).abs().max().item(), grads, reports)
-        Path(out_dir, str(rank)).write_bytes(pickle.dumps(result))
+        report(out_dir, rank, result)
         dist.barrier()  # every rank done before any tears down (see kareus.demo._worker)
     finally:
         dist.destroy_process_group()
 
 
 def _run(nanobatches, delay_s=(0.0, 0.0), timeout_s=30.0):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(
-            _worker,
-            args=(port, out, nanobatches, delay_s, timeout_s),
-            nprocs=2,
-            start_method="spawn",
-        )
-        return [pickle.loads(Path(out, str(r)).read_bytes()) for r in range(2)]
+    return run_ranks(_worker, nanobatches, delay_s, timeout_s)
 
 
 def test_ranks_asking_for_different_counts_both_run_unrewritten():

@@ -17,8 +17,14 @@ def test_defaults():
     "device", ["auto", "nvml", "nvml-dry-run", "sim:h200", "sim:a100-sxm4-40gb"]
 )
 def test_valid_dict_round_trips(device):
-    opts = parse_options({"lowering": "eager", "explain": True, "device": device})
+    opts = parse_options({
+        "lowering": "eager", "explain": True, "device": device, "profile": "refresh",
+        "search_budget": 8, "seed": 3, "cache_dir": "/tmp/kareus-cache",
+    })
     assert (opts.lowering, opts.explain, opts.device) == ("eager", True, device)
+    assert (opts.profile, opts.search_budget, opts.seed, opts.cache_dir) == (
+        "refresh", 8, 3, "/tmp/kareus-cache"
+    )
     assert parse_options(opts.to_dict()) == opts
 
 
@@ -35,7 +41,8 @@ def test_custom_gpu_file_is_a_device(tmp_path):
             {"lowerin": "eager"},
             (
                 "unknown kareus option 'lowerin'; "
-                "accepted options: agreement_timeout_s, device, explain, lowering"
+                "accepted options: agreement_timeout_s, cache_dir, device, explain, lowering, "
+                "nanobatches, profile, search_budget, seed"
             ),
         ),
         (
@@ -47,6 +54,15 @@ def test_custom_gpu_file_is_a_device(tmp_path):
             "kareus option 'agreement_timeout_s': got '5' (str); not a number",
         ),
         ({"a": 1, "b": 2}, "unknown kareus options 'a', 'b'"),
+        (
+            {"profile": "on"},
+            "kareus option 'profile': got 'on' (str); accepted: 'auto' | 'off' | 'refresh'",
+        ),
+        ({"search_budget": 0}, "kareus option 'search_budget': got 0 (int); must be >= 1"),
+        ({"search_budget": 8.0}, "kareus option 'search_budget': got 8.0 (float); not an integer"),
+        ({"seed": "1"}, "kareus option 'seed': got '1' (str); accepted: int"),
+        ({"cache_dir": ""}, "kareus option 'cache_dir': got '' (str); empty"),
+        ({"cache_dir": 3}, "kareus option 'cache_dir': got 3 (int); not a string"),
         (
             {"lowering": "aot_eager"},
             "kareus option 'lowering': got 'aot_eager' (str); accepted: 'inductor' | 'eager'",

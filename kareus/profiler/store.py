@@ -12,7 +12,8 @@ Layout. One SQLite file, ``profiles.sqlite`` in the cache directory (``cache_dir
     evaluations(id INTEGER PRIMARY KEY, key, knobs, time_s, energy_j, static_power_w,
                 clock_mhz, method, resources, details, model_version, measured_at,
                 UNIQUE(key, knobs))                     -- id: insertion order
-    frontiers(key PRIMARY KEY, points, updated_at)      -- the search's latest frontier
+    searches(key, settings, knobs, stopped, hypervolumes, updated_at,
+             PRIMARY KEY (key, settings))           -- a finished search, in order
 
 A row's ``key`` is :meth:`ProfileKey.digest` (sha256 of the key's fields as canonical
 JSON) and ``knobs`` is :meth:`Knobs.json`, so a lookup is one probe of the unique index
@@ -49,7 +50,7 @@ import logging
 import os
 import sqlite3
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -61,7 +62,7 @@ from kareus.profiler.devices.base import Measurement
 
 logger = logging.getLogger("kareus")
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: searches replace frontiers
 APPLICATION_ID = 0x4B415245  # "KARE": tells a kareus store from any other SQLite file.
 FILENAME = "profiles.sqlite"
 BUSY_TIMEOUT_S = 30.0
@@ -87,10 +88,14 @@ CREATE TABLE evaluations (
     measured_at REAL NOT NULL,
     UNIQUE (key, knobs)
 );
-CREATE TABLE frontiers (
-    key TEXT PRIMARY KEY REFERENCES keys(digest),
-    points TEXT NOT NULL,
-    updated_at REAL NOT NULL
+CREATE TABLE searches (
+    key TEXT NOT NULL REFERENCES keys(digest),
+    settings TEXT NOT NULL,
+    knobs TEXT NOT NULL,
+    stopped TEXT NOT NULL,
+    hypervolumes TEXT NOT NULL,
+    updated_at REAL NOT NULL,
+    PRIMARY KEY (key, settings)
 );
 """
 
@@ -179,6 +184,15 @@ class Evaluation:
     """Unix time of the record."""
 
 
+@dataclass(frozen=True)
+class SearchRecord:
+    """What a finished search evaluated, in order, and how it ended."""
+
+    knobs: tuple[Knobs, ...]
+    stopped: str
+    hypervolumes: tuple[float, ...]
+
+
 def default_cache_dir() -> Path:
     """``$KAREUS_CACHE_DIR``, else ``$XDG_CACHE_HOME/kareus``, else ``~/.cache/kareus``."""
     if os.environ.get("KAREUS_CACHE_DIR"):
@@ -215,9 +229,12 @@ class ProfileStore(Closing):
 
     # -- writing -------------------------------------------------------------------------
 
-    def record(self, key: ProfileKey, knobs: Knobs, measurement: Measurement) -> bool:
+    def record(
+        self, key: ProfileKey, knobs: Knobs, measurement: Measurement, *, replace: bool = False
+    ) -> bool:
         """Commit one evaluation now; True if it was added, False if (key, knobs) already
-        had one (the first is kept, so a rerun or a second rank recording it is harmless).
+        had one (the first is kept, so a rerun or a second rank recording it is harmless,
+        unless ``replace``: a re-measurement that supersedes it).
 
         ``measurement.clock_mhz`` must be ``knobs.clock_mhz``: a mismatch is a caller's bug
         that would otherwise poison every later lookup.
@@ -244,22 +261,28 @@ class ProfileStore(Closing):
         with self._write() as conn:
             self._add_key(conn, key)
             cursor = conn.execute(
-                "INSERT OR IGNORE INTO evaluations (key, knobs, time_s, energy_j, "
+                f"INSERT OR {'REPLACE' if replace else 'IGNORE'} INTO evaluations (key, knobs, "
+                "time_s, energy_j, "
                 "static_power_w, clock_mhz, method, resources, details, model_version, "
                 "measured_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 row,
             )
             return cursor.rowcount == 1
 
-    def record_frontier(self, key: ProfileKey, points: Sequence[Knobs]) -> None:
-        """Replace the frontier the search last reported for ``key`` (its numbers are the
-        evaluations of those knobs)."""
-        text = json.dumps([asdict(k) for k in points])
+    def record_search(self, key: ProfileKey, settings: str, search: SearchRecord) -> None:
+        """Keep a finished search of ``key`` under ``settings`` (the caller's canonical
+        text of what determines it: space, budget, seed), replacing an earlier one; its
+        numbers are the evaluations of its knobs."""
+        row = (
+            key.digest(), settings, json.dumps([asdict(k) for k in search.knobs]),
+            search.stopped, json.dumps(list(search.hypervolumes)), time.time(),
+        )
         with self._write() as conn:
             self._add_key(conn, key)
             conn.execute(
-                "INSERT OR REPLACE INTO frontiers (key, points, updated_at) VALUES (?, ?, ?)",
-                (key.digest(), text, time.time()),
+                "INSERT OR REPLACE INTO searches (key, settings, knobs, stopped, hypervolumes, "
+                "updated_at) VALUES (?, ?, ?, ?, ?, ?)",
+                row,
             )
 
     # -- reading -------------------------------------------------------------------------
@@ -274,12 +297,19 @@ class ProfileStore(Closing):
         rows = self._query(f"{_SELECT} WHERE key = ? AND knobs = ?", (key.digest(), knobs.json()))
         return _evaluation(rows[0]) if rows else None
 
-    def frontier(self, key: ProfileKey) -> list[Knobs] | None:
-        """The frontier last recorded for ``key``, or None if none was."""
-        rows = self._query("SELECT points FROM frontiers WHERE key = ?", (key.digest(),))
+    def search(self, key: ProfileKey, settings: str) -> SearchRecord | None:
+        """The finished search of ``key`` under ``settings``, or None if none was recorded."""
+        rows = self._query(
+            "SELECT knobs, stopped, hypervolumes FROM searches WHERE key = ? AND settings = ?",
+            (key.digest(), settings),
+        )
         if not rows:
             return None
-        return [Knobs._from_fields(point) for point in json.loads(rows[0][0])]
+        knobs, stopped, volumes = rows[0]
+        return SearchRecord(
+            tuple(Knobs._from_fields(k) for k in json.loads(knobs)), stopped,
+            tuple(json.loads(volumes)),
+        )
 
     def keys(self) -> list[ProfileKey]:
         """Every key with something recorded, in the order first seen."""

@@ -7,8 +7,13 @@ so that partitions sharing a key are measured once (REFERENCE.md section 1).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.fx
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from kareus.passes.nanobatch import with_group
@@ -16,6 +21,10 @@ from kareus.passes.ops import resize_args
 from kareus.passes.partition import Partition
 from kareus.passes.placement import NodePlacement, PlacementResult, Split, Whole, per_nanobatch
 from kareus.profiler.devices.base import Workload
+
+Lower = Callable[[torch.fx.GraphModule, list[torch.Tensor]], Callable[[list[Any]], Any]]
+"""Compiles a graph for its example inputs into a boxed callable (``codegen.lowering.lower``
+with the lowering the training graphs get)."""
 
 
 def partition_workload(
@@ -25,10 +34,15 @@ def partition_workload(
     slot: int,
     group_name: str | None = None,
     world_size: int = 1,
+    lower: Lower | None = None,
 ) -> Workload:
     """One partition alone, for isolated profiling: a nanobatch's compute of the segment
     with the other nanobatch's collective issued at ``slot`` and waited at the end, on
     random inputs of one nanobatch's shapes (run it where the collective's group exists).
+    The graph's metadata comes from fake inputs; the real ones are made at the first run,
+    so a model that only costs the graph never allocates them. ``lower`` compiles the
+    variant (at its first run) as the training graph will run, so that a real GPU measures
+    the kernels that will run; without it the variant runs op by op.
     """
     place = placements.placements
     if not per_nanobatch(place[partition.collective.node]):
@@ -43,10 +57,10 @@ def partition_workload(
     members = set(partition.nodes)
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
-    inputs: list[torch.Tensor] = []
+    specs: list[tuple[torch.Tensor, NodePlacement]] = []
 
     def add_input(node: torch.fx.Node, name: str) -> torch.fx.Node:
-        inputs.append(_random_like(node.meta["val"], place[node], k))
+        specs.append((node.meta["val"], place[node]))
         return graph.placeholder(name)
 
     external = [i for n in partition.nodes for i in n.all_input_nodes if i not in members]
@@ -77,11 +91,28 @@ def partition_workload(
     sinks = [env[n] for n in partition.nodes if not any(u in members for u in n.users)]
     graph.output((waited, *sinks))
     gm = torch.fx.GraphModule(torch.nn.Module(), graph)
-    FakeTensorProp(gm).propagate(*inputs)
+    mode = FakeTensorMode()
+    with mode:
+        fake_inputs = [_random_like(val, p, k) for val, p in specs]
+    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fake_inputs)
+
+    @functools.cache
+    def inputs() -> list[torch.Tensor]:
+        return [_random_like(val, p, k) for val, p in specs]
+
+    @functools.cache
+    def runner() -> Callable[[list[Any]], Any]:
+        if lower is None:
+            return lambda args: gm(*args)
+        # Measured while a training graph compiles: this compile gets its own context
+        # (fake mode, metadata), never the one of the graph around it.
+        with torch._guards.tracing(None):
+            return lower(gm, inputs())
+
     return Workload(
         f"partition {partition.index} ({partition.key}) k={k} slot={slot}",
         gm=gm,
-        run=lambda: gm(*inputs),
+        run=lambda: runner()(list(inputs())),  # a boxed callable may clear its list
         world_size=world_size,
     )
 

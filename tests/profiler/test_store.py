@@ -27,6 +27,7 @@ from kareus.profiler.store import (
     ProfileKey,
     ProfileStore,
     ProfileStoreError,
+    SearchRecord,
 )
 
 KEY = ProfileKey("3f" * 32, "sim:h200", "sim-v2", (1980, 1500, 1200), 2, "0.1.0")
@@ -134,13 +135,18 @@ def test_measurement_at_another_clock_is_refused(tmp_path):
         store.record(KEY, knobs(0, 1980), measurement(0, 1500))
 
 
-def test_frontier(tmp_path):
+def test_search(tmp_path):
+    first = SearchRecord((knobs(0), knobs(2)), "budget", (1.0, 2.0))
+    again = SearchRecord((knobs(1), knobs(0, 1500)), "converged", (3.0, 3.0))
     with ProfileStore(cache_dir=tmp_path) as store:
-        assert store.frontier(KEY) is None
-        store.record_frontier(KEY, [knobs(0), knobs(2)])
-        store.record_frontier(KEY, [knobs(1), knobs(0, 1500)])
+        assert store.search(KEY, "budget=2") is None
+        store.record_search(KEY, "budget=2", first)
+        store.record_search(KEY, "budget=3", first)
+        store.record_search(KEY, "budget=2", again)
     with ProfileStore(cache_dir=tmp_path) as store:
-        assert store.frontier(KEY) == [knobs(1), knobs(0, 1500)]
+        assert store.search(KEY, "budget=2") == again
+        assert store.search(KEY, "budget=3") == first
+        assert store.search(replace(KEY, group_size=4), "budget=2") is None
 
 
 def test_default_location(tmp_path, monkeypatch):

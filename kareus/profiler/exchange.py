@@ -1,0 +1,192 @@
+"""One partition's search, run by every rank of its group alike, without a collective.
+
+A partition variant is measured on every rank of its collective's group at once (its
+collective needs them all), and every rank must end with the same frontier, or the ranks
+would later choose different variants and hang. So one rank leads: the lowest rank of the
+group runs the search and, for each configuration it has to measure, posts an instruction;
+every rank measures it and posts its own measurement; the leader reduces them (time max,
+energy sum: ``measure.group_measurement``) and goes on. At the end it posts the whole
+result, which the others adopt as it is. Everything travels through the default process
+group's key-value store, under keys private to one search and one set of ranks::
+
+    <prefix>/<ranks>/step/<j>            the j-th instruction: "measure <config>" | "done <result>"
+    <prefix>/<ranks>/step/<j>/rank/<r>   rank r's measurement for instruction j
+    <prefix>/<ranks>/abort               why the search was given up, written once
+
+Why it cannot hang: every wait polls the store with ``check`` (which never blocks) until
+its keys or the abort key exist, or ``timeout_s`` has passed since the wait began; a rank
+that times out writes the abort key (first writer wins) and raises, and every other rank
+sees it at its next poll and raises too. A rank that arrives after the leader finished
+finds the result at once. What remains is a rank dying inside the collective of a
+measurement itself: that is bounded by the process group's own timeout.
+
+The prefix must name the search identically on every rank of the group and differently for
+each search (``profile.py`` uses the graph's compile key, the partition's key and the
+nanobatch count). A group of one rank, or of the fake backend, needs no store: its rank
+measures alone and its measurement stands for the whole (symmetric) group.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _get_default_store, _resolve_process_group
+
+from kareus.errors import KareusError
+from kareus.profiler.devices.base import Measurement
+from kareus.profiler.measure import group_measurement
+from kareus.profiler.search import Config, Point, SearchResult
+
+log = logging.getLogger("kareus")
+
+_MAX_POLL_S = 0.05
+
+MeasureHere = Callable[[Config], Measurement]
+
+
+class ProfilingAborted(KareusError, RuntimeError):
+    """The ranks of a group gave up a search together (a rank timed out or failed)."""
+
+
+@dataclass(frozen=True)
+class Team:
+    """The ranks that measure one partition's variants together."""
+
+    ranks: tuple[int, ...]  # global ranks, ascending; the first leads
+    rank: int
+    group_size: int
+    prefix: str
+    timeout_s: float
+    store: dist.Store | None = None
+
+    @classmethod
+    def of_group(cls, group_name: str, prefix: str, timeout_s: float) -> Team:
+        """The team of the process group ``group_name`` (alone for a fake or a one-rank
+        group, or without torch.distributed)."""
+        if not dist.is_initialized():
+            return cls((0,), 0, 1, prefix, timeout_s)
+        group = _resolve_process_group(group_name)
+        size = dist.get_world_size(group)
+        if dist.get_backend(group) == "fake" or size == 1:
+            return cls((dist.get_rank(),), dist.get_rank(), size, prefix, timeout_s)
+        ranks = tuple(sorted(dist.get_process_group_ranks(group)))
+        return cls(ranks, dist.get_rank(), size, prefix, timeout_s, _get_default_store())
+
+    @property
+    def alone(self) -> bool:
+        return len(self.ranks) == 1
+
+    @property
+    def leads(self) -> bool:
+        return self.rank == self.ranks[0]
+
+    # -- the leader ------------------------------------------------------------------------
+
+    def measure(self, step: int, config: Config, measure_here: MeasureHere) -> Measurement:
+        """Instruction ``step``: every rank measures ``config``; the group's measurement."""
+        if self.alone:
+            return group_measurement([measure_here(config)], self.group_size)
+        self._store.set(self._step(step), f"measure {json.dumps(asdict(config))}")
+        mine = measure_here(config)
+        others = [self._step(step) + f"/rank/{r}" for r in self.ranks[1:]]
+        self._wait(others, f"the measurements of step {step} by ranks {list(self.ranks[1:])}")
+        theirs = [_measurement(_text(self._store.get(key))) for key in others]
+        return group_measurement([mine, *theirs], self.group_size)
+
+    def finish(self, step: int, result: SearchResult, measured: dict[Config, Measurement]) -> None:
+        """Post the result as instruction ``step``: the others adopt it."""
+        if not self.alone:
+            self._store.set(self._step(step), f"done {_result_json(result, measured)}")
+
+    def abort(self, reason: str) -> None:
+        if not self.alone:
+            self._store.compare_set(self._abort, "", reason)
+
+    # -- the others ------------------------------------------------------------------------
+
+    def follow(self, measure_here: MeasureHere) -> tuple[SearchResult, dict[Config, Measurement]]:
+        """Measure what the leader asks, until it posts the result; return that result."""
+        step = 0
+        while True:
+            self._wait([self._step(step)], f"instruction {step} from rank {self.ranks[0]}")
+            kind, _, payload = _text(self._store.get(self._step(step))).partition(" ")
+            if kind == "done":
+                return _result(payload)
+            if kind != "measure":
+                raise RuntimeError(f"unreadable instruction {kind!r} under {self._keys}")
+            try:
+                mine = measure_here(Config(**json.loads(payload)))
+            except BaseException as exc:
+                self.abort(f"rank {self.rank} failed to measure: {type(exc).__name__}: {exc}")
+                raise
+            self._store.set(self._step(step) + f"/rank/{self.rank}", _measurement_json(mine))
+            step += 1
+
+    # -- the store -------------------------------------------------------------------------
+
+    @property
+    def _store(self) -> dist.Store:
+        assert self.store is not None, "a team of one rank uses no store"
+        return self.store
+
+    @property
+    def _keys(self) -> str:
+        """Under the prefix, the ranks: the groups of one partition (one per data-parallel
+        replica) search side by side."""
+        return f"{self.prefix}/{','.join(map(str, self.ranks))}"
+
+    @property
+    def _abort(self) -> str:
+        return f"{self._keys}/abort"
+
+    def _step(self, step: int) -> str:
+        return f"{self._keys}/step/{step}"
+
+    def _wait(self, keys: Sequence[str], what: str) -> None:
+        """Until ``keys`` exist; raises ``ProfilingAborted`` on an abort or the deadline."""
+        store = self._store
+        deadline = time.monotonic() + self.timeout_s
+        pause = 0.001
+        while not store.check(list(keys)):
+            if store.check([self._abort]):
+                raise ProfilingAborted(f"{self._keys}: {_text(store.get(self._abort))}")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                reason = f"rank {self.rank} waited {self.timeout_s:g} s for {what}"
+                agreed = _text(store.compare_set(self._abort, "", reason))
+                raise ProfilingAborted(f"{self._keys}: {agreed}")
+            time.sleep(min(pause, remaining))
+            pause = min(2 * pause, _MAX_POLL_S)
+
+
+def _measurement_json(m: Measurement) -> str:
+    return json.dumps(asdict(m), sort_keys=True)
+
+
+def _measurement(text: str | dict) -> Measurement:
+    fields = json.loads(text) if isinstance(text, str) else text
+    return Measurement(**{**fields, "resources": tuple(map(tuple, fields["resources"]))})
+
+
+def _result_json(result: SearchResult, measured: dict[Config, Measurement]) -> str:
+    return json.dumps({
+        "stopped": result.stopped,
+        "hypervolumes": result.hypervolumes,
+        "points": [[asdict(p.config), asdict(measured[p.config])] for p in result.points],
+    })
+
+
+def _result(text: str) -> tuple[SearchResult, dict[Config, Measurement]]:
+    data = json.loads(text)
+    measured = {Config(**c): _measurement(m) for c, m in data["points"]}
+    points = [Point.of(config, m) for config, m in measured.items()]
+    return SearchResult(points, data["stopped"], data["hypervolumes"]), measured
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else value

@@ -1,0 +1,264 @@
+"""Partition profiling: each distinct partition of a graph searched once, through the store.
+
+For a graph split into ``k`` nanobatches, every partition whose collective can launch at
+more than one slot is a search over (launch slot x the SMs its collective gets x SM clock)
+(REFERENCE.md section 1). Partitions with the same structural key (the identical layers of
+a model) are searched once. Each evaluation runs ``workloads.partition_workload`` on this
+rank's device under the measurement protocol, on every rank of the partition's group at
+once (``exchange.Team``: the lowest rank leads, the others follow, nobody meets in a
+collective outside the measured variant itself), and is committed to the profile store
+the moment it is complete. An evaluation already in the store is read back instead of
+measured (``mode="refresh"`` measures again and replaces it), so a second compile of the
+same model on the same device measures nothing, and a search cut short by a crash resumes
+where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from kareus.passes.analyse import GraphAnalysis
+from kareus.passes.collectives import find_collectives
+from kareus.passes.partition import Partition
+from kareus.passes.variants import PartitionChoices
+from kareus.profiler.devices.base import Device, Measurement, Workload
+from kareus.profiler.exchange import ProfilingAborted, Team
+from kareus.profiler.measure import Protocol, measure_variant
+from kareus.profiler.search import Config, Point, SearchResult, Space, pareto, search
+from kareus.profiler.store import Knobs, ProfileKey, ProfileStore, SearchRecord
+from kareus.profiler.workloads import Lower, partition_workload
+
+log = logging.getLogger("kareus")
+
+MODES = ("auto", "off", "refresh")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the profiler is asked to do (from the backend's options)."""
+
+    mode: str = "auto"  # "auto": reuse the store | "refresh": measure again | "off"
+    budget: int = 32  # evaluations per distinct partition
+    seed: int = 0
+    timeout_s: float = 120.0  # how long a rank waits for the others of its group
+    protocol: Protocol = field(default_factory=Protocol)
+
+
+@dataclass(frozen=True)
+class FrontierPoint:
+    knobs: Knobs
+    time_s: float
+    energy_j: float
+    effective_energy_j: float
+
+
+@dataclass(frozen=True)
+class PartitionProfile:
+    """One distinct partition's search: its frontiers in (time, energy) and (time,
+    effective energy), each point with its knobs, and how they were obtained."""
+
+    key: str  # the partition's structural key
+    nanobatches: int
+    collective: str  # the collective's kind
+    partitions: tuple[int, ...]  # the indices of the graph's partitions with this key
+    space_size: int
+    evaluations: int  # configurations the search looked at
+    measured: int  # of which measured now (the rest came from the store)
+    stopped: str  # search.SearchResult.stopped, or "failed"
+    frontier: tuple[FrontierPoint, ...]
+    effective_frontier: tuple[FrontierPoint, ...]
+    device: str
+    model_version: str | None
+    error: str | None = None
+
+
+Progress = Callable[[str, int, int, list[Point]], None]
+"""(partition label, evaluations so far, budget, points so far) after each evaluation."""
+
+
+def profile_graph(
+    analysis: GraphAnalysis,
+    k: int,
+    device: Device,
+    store: ProfileStore,
+    settings: Settings,
+    *,
+    prefix: str,
+    progress: Progress | None = None,
+    lower: Lower | None = None,
+) -> tuple[PartitionProfile, ...]:
+    """Search every distinct partition of ``analysis`` at ``k`` nanobatches (none when the
+    mode is "off" or ``k`` does not apply). ``prefix`` names this compile of the graph
+    identically on every rank (the agreement's compile key); ``lower`` compiles the
+    variants a device runs (see ``workloads.partition_workload``)."""
+    if settings.mode == "off" or k == 1 or k not in analysis.space.nanobatches:
+        return ()
+    groups: dict[str, list[tuple[PartitionChoices, Partition]]] = {}
+    for choices, part in zip(
+        analysis.space.partitions(k), analysis.partitioning.partitions, strict=True
+    ):
+        if choices.launch_slots > 1:  # else its collective is not split: nothing overlaps
+            groups.setdefault(choices.key, []).append((choices, part))
+    with unset_fake_temporarily():  # compiling runs under fake tensors; measuring is real
+        return tuple(
+            _Search(analysis, k, members, device, store, settings, prefix, lower).run(progress)
+            for members in groups.values()
+        )
+
+
+class _Search:
+    """One distinct partition's search on this rank (leading or following its team)."""
+
+    def __init__(
+        self,
+        analysis: GraphAnalysis,
+        k: int,
+        members: list[tuple[PartitionChoices, Partition]],
+        device: Device,
+        store: ProfileStore,
+        settings: Settings,
+        prefix: str,
+        lower: Lower | None,
+    ) -> None:
+        self.choices, self.partition = members[0]
+        self.indices = tuple(c.index for c, _ in members)
+        self.placements = analysis.placements[k]
+        self.k, self.device, self.store, self.settings = k, device, store, settings
+        self.lower = lower
+        self.label = f"{analysis.label} p{self.choices.index} ({self.choices.key[:8]})"
+        resources = self.choices.resources if device.models_resources else (None,)
+        self.space = Space(
+            tuple(range(self.choices.launch_slots)), resources, device.search_clocks()
+        )
+        self.team = Team.of_group(
+            self.choices.group_name, f"kareus/profile/{prefix}/{self.choices.key}/k{k}",
+            settings.timeout_s,
+        )
+        self.key = ProfileKey(
+            self.choices.key, device.identity, device.model_version, self.space.clocks,
+            self.team.group_size,
+        )
+        self._workloads: dict[int, tuple[Workload, str]] = {}
+        self.measured: dict[Config, Measurement] = {}
+        self.fresh = 0
+
+    def run(self, progress: Progress | None) -> PartitionProfile:
+        """The profile, or one with the error where the search failed on any rank (a
+        device, a workload that cannot be built, the store, a rank that timed out): the
+        graph then compiles without it."""
+        try:
+            if self.team.leads:
+                try:
+                    result = self._lead(progress)
+                except BaseException as exc:
+                    self.team.abort(f"rank {self.team.rank} failed: {type(exc).__name__}: {exc}")
+                    raise
+            else:
+                result, self.measured = self.team.follow(self._measure_here)
+        except (ProfilingAborted, ValueError, RuntimeError, TypeError, OSError) as exc:
+            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            log.warning("%s: not profiled: %s", self.label, reason)
+            return self._profile(None, error=reason)
+        return self._profile(result)
+
+    def _lead(self, progress: Progress | None) -> SearchResult:
+        search_id = json.dumps({
+            "slots": self.space.slots, "resources": self.space.resources,
+            "budget": self.settings.budget, "seed": self.settings.seed,
+        })
+        if self.settings.mode == "auto" and (replayed := self._replay(search_id)) is not None:
+            self.team.finish(0, replayed, self.measured)
+            return replayed
+        points: list[Point] = []
+
+        def evaluate(config: Config) -> Measurement:
+            knobs = self._knobs(config)
+            hit = None if self.settings.mode == "refresh" else self.store.lookup(self.key, knobs)
+            if hit is not None:
+                m = hit.measurement
+            else:
+                m = self.team.measure(self.fresh, config, self._measure_here)
+                self.fresh += 1
+                self.store.record(self.key, knobs, m, replace=self.settings.mode == "refresh")
+            self.measured[config] = m
+            points.append(Point.of(config, m))
+            if progress is not None:
+                progress(self.label, len(points), min(self.settings.budget, self.space.size),
+                         points)
+            return m
+
+        result = search(self.space, evaluate, budget=self.settings.budget, seed=self.settings.seed)
+        self.store.record_search(self.key, search_id, SearchRecord(
+            tuple(self._knobs(p.config) for p in result.points), result.stopped,
+            tuple(result.hypervolumes),
+        ))
+        self.team.finish(self.fresh, result, self.measured)
+        return result
+
+    def _replay(self, search_id: str) -> SearchResult | None:
+        """The finished search the store holds under ``search_id``, from its evaluations
+        (no surrogate refitted); None where there is none or an evaluation is missing."""
+        record = self.store.search(self.key, search_id)
+        if record is None:
+            return None
+        points = []
+        for knobs in record.knobs:
+            hit = self.store.lookup(self.key, knobs)
+            if hit is None:
+                return None
+            sms = knobs.resources[0][1] if knobs.resources else None
+            config = Config(knobs.slot, sms, knobs.clock_mhz)
+            self.measured[config] = hit.measurement
+            points.append(Point.of(config, hit.measurement))
+        return SearchResult(points, record.stopped, list(record.hypervolumes))
+
+    def _measure_here(self, config: Config) -> Measurement:
+        workload, collective = self._workload(config.slot)
+        resources = {collective: config.sms} if config.sms is not None else None
+        return measure_variant(
+            self.device, workload, config.clock_mhz, resources=resources,
+            protocol=self.settings.protocol,
+        )
+
+    def _workload(self, slot: int) -> tuple[Workload, str]:
+        if slot not in self._workloads:
+            workload = partition_workload(
+                self.partition, self.placements, self.k, slot,
+                world_size=self.team.group_size, lower=self.lower,
+            )
+            (collective,) = (c.name for c in find_collectives(workload.gm.graph))
+            self._workloads[slot] = workload, collective
+        return self._workloads[slot]
+
+    def _knobs(self, config: Config) -> Knobs:
+        resources = {} if config.sms is None else {self._workload(config.slot)[1]: config.sms}
+        return Knobs(config.slot, resources, config.clock_mhz, self.k)
+
+    def _profile(self, result: SearchResult | None, error: str | None = None) -> PartitionProfile:
+        def front(points: list[Point]) -> tuple[FrontierPoint, ...]:
+            return tuple(
+                FrontierPoint(self._knobs(p.config), p.time_s, p.energy_j, p.effective_energy_j)
+                for p in points
+            )
+
+        points = result.points if result is not None else []
+        return PartitionProfile(
+            key=self.choices.key,
+            nanobatches=self.k,
+            collective=self.partition.collective.kind,
+            partitions=self.indices,
+            space_size=self.space.size,
+            evaluations=len(points),
+            measured=self.fresh,
+            stopped=result.stopped if result is not None else "failed",
+            frontier=front(pareto(points)),
+            effective_frontier=front(pareto(points, lambda p: p.effective_energy_j)),
+            device=self.device.identity,
+            model_version=self.device.model_version,
+            error=error,
+        )

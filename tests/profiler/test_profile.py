@@ -1,0 +1,214 @@
+"""Partition profiling on one process (fake process group, simulated GPU): searched once per
+structural key, committed to the store as measured, read back instead of measured again."""
+
+import itertools
+
+import pytest
+import torch
+from conftest import analysed, tp_llama
+from gloo import AllReduceBlock
+
+from kareus import KareusBackend
+from kareus.profiler import profile as profiling
+from kareus.profiler.devices import SimulatedGPU
+from kareus.profiler.profile import Settings, profile_graph
+from kareus.profiler.store import ProfileKey, ProfileStore
+
+GPU = "sim:a100-sxm4-40gb"
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Every measurement the profiler takes, as (workload, clock)."""
+    calls = []
+    measure = profiling.measure_variant
+
+    def counting(device, workload, clock_mhz, **kwargs):
+        calls.append((workload.name, clock_mhz))
+        return measure(device, workload, clock_mhz, **kwargs)
+
+    monkeypatch.setattr(profiling, "measure_variant", counting)
+    return calls
+
+
+@pytest.fixture
+def graphs(fake_pg):
+    return [a for _, a in analysed(tp_llama(1), torch.randint(0, 100, (4, 16)))]
+
+
+def _profile(graphs, store, **settings):
+    gpu = SimulatedGPU(GPU)
+    return [
+        p for a in graphs
+        for p in profile_graph(a, 2, gpu, store, Settings(**settings), prefix=a.label)
+    ]
+
+
+def test_each_distinct_partition_is_searched_once_into_the_store(graphs, tmp_path, counted):
+    with ProfileStore(cache_dir=tmp_path) as store:
+        profiles = _profile(graphs, store, budget=10)
+        keys = [p.key for p in profiles]
+        assert len(keys) == len(set(keys)) and any(len(p.partitions) > 1 for p in profiles)
+        assert sum(p.measured for p in profiles) == len(counted) == sum(
+            p.evaluations for p in profiles
+        )
+        for p in profiles:
+            assert p.error is None and 0 < p.evaluations <= 10 and p.frontier
+            recorded = store.keys()
+            (key,) = [k for k in recorded if k.partition_key == p.key]
+            stored = store.evaluations(key)
+            assert len(stored) == p.evaluations  # committed as measured
+            # the frontier is that of everything measured, each point with its knobs
+            times = {e.knobs: e.measurement.time_s for e in stored}
+            assert [f.time_s for f in p.frontier] == sorted(times[f.knobs] for f in p.frontier)
+            assert p.model_version == "sim-gpu-2 sim:a100-sxm4-40gb"
+            assert key == ProfileKey(p.key, GPU, p.model_version, key.clocks, 2)
+
+
+def test_a_second_profile_with_the_same_store_measures_nothing(graphs, tmp_path, counted):
+    with ProfileStore(cache_dir=tmp_path) as store:
+        first = _profile(graphs, store, budget=10)
+    measured = len(counted)
+    with ProfileStore(cache_dir=tmp_path) as store:
+        again = _profile(graphs, store, budget=10)
+    assert len(counted) == measured and all(p.measured == 0 for p in again)
+    assert [(p.key, p.frontier, p.effective_frontier) for p in again] == [
+        (p.key, p.frontier, p.effective_frontier) for p in first
+    ]
+    with ProfileStore(cache_dir=tmp_path) as store:
+        refreshed = _profile(graphs, store, budget=10, mode="refresh")
+    assert len(counted) == 2 * measured and sum(p.measured for p in refreshed) == measured
+
+
+def test_a_search_cut_short_resumes_from_the_store(graphs, tmp_path, counted, monkeypatch):
+    graph = graphs[:1]
+    with ProfileStore(cache_dir=tmp_path) as store:
+        complete = _profile(graph, store, budget=10, seed=1)
+    total = len(counted)
+    resumed_dir = tmp_path / "crash"
+    with ProfileStore(cache_dir=resumed_dir) as store:
+        measure = profiling.measure_variant
+
+        def failing(*args, **kwargs):
+            if len(counted) >= total + 4:
+                raise RuntimeError("GPU fell off the bus")
+            return measure(*args, **kwargs)
+
+        monkeypatch.setattr(profiling, "measure_variant", failing)
+        crashed = _profile(graph, store, budget=10, seed=1)
+    assert crashed[0].error == "RuntimeError: GPU fell off the bus" and not crashed[0].frontier
+    monkeypatch.setattr(profiling, "measure_variant", measure)
+    with ProfileStore(cache_dir=resumed_dir) as store:
+        resumed = _profile(graph, store, budget=10, seed=1)
+    assert len(counted) == 2 * total  # 4 before the crash, the rest after it
+    assert resumed[0].measured == complete[0].evaluations - 4
+    assert resumed[0].frontier == complete[0].frontier
+
+
+def test_off_and_unsplit_counts_profile_nothing(graphs, tmp_path, counted):
+    with ProfileStore(cache_dir=tmp_path) as store:
+        assert _profile(graphs, store, mode="off") == []
+        gpu = SimulatedGPU(GPU)
+        assert profile_graph(graphs[0], 1, gpu, store, Settings(), prefix="x") == ()
+    assert counted == []
+
+
+def test_frontiers_are_pareto_sets_of_measured_points(graphs, tmp_path):
+    with ProfileStore(cache_dir=tmp_path) as store:
+        for p in _profile(graphs, store, budget=12):
+            for front, energy in ((p.frontier, "energy_j"), (p.effective_frontier,
+                                                             "effective_energy_j")):
+                values = [(f.time_s, getattr(f, energy)) for f in front]
+                assert values == sorted(values)
+                assert all(e0 > e1 for (_, e0), (_, e1) in itertools.pairwise(values))
+
+
+def test_the_backend_profiles_once_per_store(fake_pg, tmp_path, counted):
+    options = {"nanobatches": 2, "lowering": "eager", "device": GPU,
+               "cache_dir": str(tmp_path), "search_budget": 8, "seed": 5}
+    x = torch.randint(0, 100, (4, 16))
+
+    def compile_and_run(**extra):
+        backend = KareusBackend({**options, **extra})
+        torch.compile(tp_llama(1), backend=backend)(x).sum().backward()
+        torch._dynamo.reset()
+        return backend.reports()
+
+    first = compile_and_run()
+    profiles = [p for r in first for p in r.profiles]
+    assert profiles and all(p.evaluations <= 8 and p.error is None for p in profiles)
+    assert len(counted) == sum(p.measured for p in profiles) > 0
+    measured = len(counted)
+    second = compile_and_run()
+    assert len(counted) == measured
+    assert [r.profiles for r in second] == [
+        tuple(pr.__class__(**{**vars(pr), "measured": 0}) for pr in r.profiles) for r in first
+    ]
+    assert all(not r.profiles for r in compile_and_run(profile="off"))
+    assert len(counted) == measured
+
+
+@pytest.mark.parametrize("lowering", ["eager", "inductor"])
+def test_a_real_gpu_runs_each_variant_under_the_protocol(graphs, tmp_path, lowering):
+    """The NVML path on a fake driver: each variant is lowered, run on real tensors in
+    windows the energy counter is read around, repeated, at clocks the controller locks;
+    the clocks are back at default afterwards."""
+    from fake_pynvml import FakeNvml
+
+    from kareus.codegen.lowering import lower
+    from kareus.profiler.devices.nvml import NvmlGPU
+    from kareus.profiler.measure import Protocol
+
+    fake = FakeNvml()
+    with NvmlGPU(nvml_module=fake, cuda=False, min_window_s=0.002, settle_s=0.0,
+                 reset_at_exit=False) as gpu, ProfileStore(cache_dir=tmp_path) as store:
+        windows = []
+        measure = gpu.measure
+
+        def measured(workload, clock_mhz, **kwargs):
+            windows.append(clock_mhz)
+            return measure(workload, clock_mhz, **kwargs)
+
+        gpu.measure = measured
+        settings = Settings(budget=3, protocol=Protocol(repeats=2, max_spread=10.0))
+        profiles = profile_graph(
+            graphs[0], 2, gpu, store, settings, prefix="fw",
+            lower=lambda gm, inputs: lower(gm, inputs, lowering),
+        )
+        gpu.clock_controller().reset()
+        assert all(p.error is None and p.evaluations == 3 for p in profiles)
+        assert len(windows) == 2 * 3 * len(profiles)  # two repeats per evaluation
+        locked = [c.args[1] for c in fake.calls if c.name == "nvmlDeviceSetGpuLockedClocks"]
+        assert set(windows) - {1410} <= set(locked) <= set(windows)  # 1410: the default
+        assert fake.gpus[0].locked is None  # back at default clocks
+        for point in (point for p in profiles for point in p.frontier):
+            # the fake board draws 300 W: energy is the counter read around real runs
+            assert point.energy_j / point.time_s == pytest.approx(2 * 300.0, rel=0.25)
+
+
+def test_the_backend_compiles_and_measures_variants_on_a_real_gpu(fake_pg, tmp_path):
+    """Variants are compiled by Inductor while a training graph compiles (a nested
+    compile with its own context) and run for real on the NVML path (fake driver)."""
+    from fake_pynvml import FakeNvml
+
+    from kareus.profiler.devices.nvml import NvmlGPU
+    from kareus.profiler.measure import Protocol
+
+    fake = FakeNvml()
+    with NvmlGPU(nvml_module=fake, cuda=False, min_window_s=0.002, settle_s=0.0,
+                 reset_at_exit=False) as gpu:
+        windows = []
+        measure = gpu.measure
+        gpu.measure = lambda *args, **kwargs: windows.append(args) or measure(*args, **kwargs)
+        backend = KareusBackend(
+            {"nanobatches": 2, "cache_dir": str(tmp_path), "search_budget": 2}, device=gpu,
+            protocol=Protocol(repeats=2, max_spread=10.0),
+        )
+        model, x = AllReduceBlock(), torch.randn(4, 8)
+        torch.compile(model, backend=backend)(x).sum().backward()
+        profiles = [p for r in backend.reports() for p in r.profiles]
+        assert [p.error for p in profiles] == [None, None]  # forward and backward
+        assert all(p.measured == 2 and p.device == "nvml:NVIDIA A100-SXM4-40GB"
+                   for p in profiles)
+        assert len(windows) == 2 * 2 * 2  # the backend's protocol: 2 repeats
+        assert fake.gpus[0].locked is None  # profiling left the default clocks

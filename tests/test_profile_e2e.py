@@ -1,0 +1,88 @@
+"""Profiling under torch.distributed: 2 gloo processes, the kareus backend, a simulated GPU.
+
+Every rank of a partition's group ends with the same frontiers, also when one rank is slow
+to compile and to measure; a second compile with the same store measures nothing; a rank
+that does not profile costs the other no wait.
+"""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from gloo import AllReduceBlock, report, run_ranks
+
+pytestmark = pytest.mark.slow
+
+
+def _worker(rank, port, out_dir, cache_dir, profile, delay_s, measure_delay_s):
+    import kareus
+    from kareus.profiler import profile as profiling
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        calls = []
+        measure = profiling.measure_variant
+
+        def slow_measure(*args, **kwargs):
+            calls.append(args[2])
+            time.sleep(measure_delay_s[rank])
+            return measure(*args, **kwargs)
+
+        profiling.measure_variant = slow_measure
+        torch.manual_seed(0)
+        model = AllReduceBlock(hidden=32)
+        time.sleep(delay_s[rank])
+        options = {
+            "nanobatches": 2, "lowering": "eager", "device": "sim:a100-sxm4-40gb",
+            "cache_dir": cache_dir, "profile": profile[rank], "search_budget": 12,
+            "agreement_timeout_s": 60.0,
+        }
+        started = time.monotonic()
+        compiled = torch.compile(model, backend="kareus", options=options)
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+        compiled(x).sum().backward()
+        reports = [(r.kind, r.nanobatches, r.profiles, r.notes) for r in kareus.graph_reports()]
+        result = (reports, len(calls), time.monotonic() - started)
+        report(out_dir, rank, result)
+        dist.barrier()  # every rank done before any tears down (see kareus.demo._worker)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(cache_dir, profile=("auto", "auto"), delay_s=(0.0, 0.0), measure_delay_s=(0.0, 0.0)):
+    return run_ranks(_worker, str(cache_dir), profile, delay_s, measure_delay_s)
+
+
+def _frontiers(reports):
+    return [
+        (kind, p.key, p.evaluations, p.stopped, p.frontier, p.effective_frontier)
+        for kind, _, profiles, _ in reports
+        for p in profiles
+    ]
+
+
+def test_a_slow_rank_reaches_the_same_frontiers_and_a_second_run_measures_nothing(tmp_path):
+    first = _run(tmp_path, delay_s=(0.0, 2.0), measure_delay_s=(0.0, 0.02))
+    (reports0, calls0, _), (reports1, calls1, _) = first
+    assert [(kind, k) for kind, k, _, _ in reports0] == [("forward", 2), ("backward", 2)]
+    assert _frontiers(reports0) == _frontiers(reports1)
+    assert _frontiers(reports0) and all(f for *_, f, _ in _frontiers(reports0))
+    assert calls0 == calls1 > 0  # every evaluation measured on both ranks, in lockstep
+    assert sum(p.measured for _, _, ps, _ in reports0 for p in ps) == calls0  # the leader's
+
+    again = _run(tmp_path)
+    for (reports, calls, _), before in zip(again, first, strict=True):
+        assert calls == 0
+        assert _frontiers(reports) == _frontiers(before[0])
+
+
+def test_a_rank_that_does_not_profile_costs_no_wait(tmp_path):
+    results = _run(tmp_path, profile=("auto", "off"))
+    for reports, calls, seconds in results:
+        assert calls == 0 and seconds < 30  # the agreement timeout is 60 s
+        assert [(kind, k) for kind, k, _, _ in reports] == [("forward", 2), ("backward", 2)]
+    (reports0, _, _), _ = results
+    assert all(not profiles for _, _, profiles, _ in reports0)
+    assert all(any("not profiled: the ranks do not all profile" in n for n in notes)
+               for _, _, _, notes in reports0)
