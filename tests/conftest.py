@@ -16,6 +16,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import kareus
 from kareus.models.llama import Llama, LlamaConfig, parallelize_llama
 from kareus.passes.analyse import GraphAnalysis, analyse
+from kareus.runtime import process_runtime
 
 
 def init_fake_pg(world_size: int) -> None:
@@ -44,6 +45,18 @@ def profile_cache_dir(tmp_path_factory, monkeypatch):
     """Profile stores of compiles that do not name a cache_dir go to a per-test directory,
     never the user's ~/.cache/kareus (a test would otherwise reuse an earlier run's)."""
     monkeypatch.setenv("KAREUS_CACHE_DIR", str(tmp_path_factory.mktemp("kareus-cache")))
+
+
+@pytest.fixture
+def fresh_runtime():
+    """Devices opened in a test and the default clock controller (an NVML device's, once a
+    backend drove it) do not outlive the test."""
+    runtime = process_runtime()
+    runtime.forget_devices()
+    previous = runtime.clocks.set_default(kareus.NullClockController())
+    yield runtime
+    runtime.forget_devices()
+    runtime.clocks.set_default(previous)
 
 
 @pytest.fixture(autouse=True)

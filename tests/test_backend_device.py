@@ -9,18 +9,8 @@ import kareus
 from kareus import KareusBackend
 from kareus.profiler.devices.errors import NvmlUnavailableError
 from kareus.profiler.devices.nvml import NvmlGPU
-from kareus.runtime import process_runtime
 
-
-@pytest.fixture(autouse=True)
-def fresh_runtime():
-    """Devices opened here and the default clock controller do not outlive a test."""
-    runtime = process_runtime()
-    runtime.forget_devices()
-    previous = runtime.clocks.set_default(kareus.NullClockController())
-    yield runtime
-    runtime.forget_devices()
-    runtime.clocks.set_default(previous)
+pytestmark = pytest.mark.usefixtures("fresh_runtime")
 
 
 def test_simulated_device_estimates_each_graph_at_its_default_clock(fake_pg, fresh_runtime):

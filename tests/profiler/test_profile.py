@@ -186,7 +186,8 @@ def test_a_real_gpu_runs_each_variant_under_the_protocol(graphs, tmp_path, lower
             assert point.energy_j / point.time_s == pytest.approx(2 * 300.0, rel=0.25)
 
 
-def test_the_backend_compiles_and_measures_variants_on_a_real_gpu(fake_pg, tmp_path):
+def test_the_backend_compiles_and_measures_variants_on_a_real_gpu(fake_pg, tmp_path,
+                                                                  fresh_runtime):
     """Variants are compiled by Inductor while a training graph compiles (a nested
     compile with its own context) and run for real on the NVML path (fake driver)."""
     from fake_pynvml import FakeNvml
