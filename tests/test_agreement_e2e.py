@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from gloo import AllReduceBlock as Block
-from gloo import report, run_ranks
+from gloo import leave, report, run_ranks
 
 import kareus
 
@@ -55,6 +55,7 @@ def _worker(rank, port, out_dir, nanobatches, delay_s, timeout_s):
         dist.barrier()  # every rank done before any tears down (see kareus.demo._worker)
     finally:
         dist.destroy_process_group()
+    leave()
 
 
 def _run(nanobatches, delay_s=(0.0, 0.0), timeout_s=30.0):

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from gloo import AllReduceBlock, report, run_ranks
+from gloo import AllReduceBlock, leave, report, run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -48,6 +48,7 @@ def _worker(rank, port, out_dir, cache_dir, profile, delay_s, measure_delay_s):
         dist.barrier()  # every rank done before any tears down (see kareus.demo._worker)
     finally:
         dist.destroy_process_group()
+    leave()
 
 
 def _run(cache_dir, profile=("auto", "auto"), delay_s=(0.0, 0.0), measure_delay_s=(0.0, 0.0)):

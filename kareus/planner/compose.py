@@ -1,0 +1,130 @@
+"""Compose frontiers: partitions into a graph's, graphs into a training step's.
+
+Everything is summed in (time, effective energy): the partitions of a graph run one after
+another, as do the graphs of a step, so times and effective energies add. Static energy
+is added once for the whole step (E = E_eff + P_static x T, REFERENCE.md section 1); a
+plan dominated in (time, effective energy) is dominated in (time, total energy) too, so
+composing effective frontiers loses no plan.
+
+The frontier of a sum is the frontier of the sum of the parts' frontiers, so parts are
+merged one at a time and pruned after each merge (``combine``): the work stays the product
+of two frontiers, never of all the parts' grids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Option:
+    """One way to run something: its time, its effective energy and what was chosen."""
+
+    time_s: float
+    effective_energy_j: float
+    choice: Any = ()
+
+
+def front(options: Iterable[Option]) -> list[Option]:
+    """The options no other is at least as fast and as frugal as, fastest first (of equal
+    ones, the first given)."""
+    kept: list[Option] = []
+    for o in sorted(options, key=lambda o: (o.time_s, o.effective_energy_j)):
+        if not kept or o.effective_energy_j < kept[-1].effective_energy_j:
+            kept.append(o)
+    return kept
+
+
+def combine(parts: Sequence[Sequence[Option]]) -> list[Option]:
+    """The frontier of running every part once, each with one of its options; a
+    combination's ``choice`` is the tuple of its parts' choices, in order. A part without
+    options makes the whole infeasible (no option)."""
+    combined = [Option(0.0, 0.0, ())]
+    for part in parts:
+        part_front = front(part)
+        combined = front(
+            Option(a.time_s + b.time_s, a.effective_energy_j + b.effective_energy_j,
+                   (*a.choice, b.choice))
+            for a in combined
+            for b in part_front
+        )
+    return combined
+
+
+@dataclass(frozen=True)
+class GraphChoice:
+    """A graph's plan: its nanobatch count, its one clock and each partition's choice."""
+
+    nanobatches: int
+    clock_mhz: int
+    partitions: tuple[Any, ...]
+
+
+def graph_frontier(
+    variants: Mapping[tuple[int, int], tuple[Option, Sequence[Sequence[Option]]]],
+) -> list[Option]:
+    """The frontier of a graph over its (nanobatch count, clock) variants. Each maps to the
+    compute outside its partitions at that clock and, per partition occurrence, the options
+    measured at that clock; occurrences of one key are separate parts, so repeated layers
+    may take different points. A variant with an unmeasured partition is left out."""
+    options = []
+    for (k, clock), (outside, partitions) in variants.items():
+        for o in combine(partitions):
+            options.append(Option(
+                outside.time_s + o.time_s, outside.effective_energy_j + o.effective_energy_j,
+                GraphChoice(k, clock, o.choice),
+            ))
+    return front(options)
+
+
+@dataclass(frozen=True)
+class StepPoint:
+    """A training step's plan: one choice per graph, and what the step costs with them."""
+
+    time_s: float
+    energy_j: float
+    effective_energy_j: float
+    graphs: tuple[Any, ...]
+
+
+Switch = Callable[[Hashable, Hashable], tuple[float, float]]
+"""(seconds, effective joules) of going from one graph's choice to the next's (a clock
+switch: what the device says it costs)."""
+
+
+def step_frontier(
+    graphs: Sequence[Sequence[Option]],
+    *,
+    repeats: int = 1,
+    static_power_w: float,
+    switch: Switch = lambda a, b: (0.0, 0.0),
+) -> list[StepPoint]:
+    """The frontier of a step that runs ``graphs`` in order ``repeats`` times (the forward
+    and backward of each of ``repeats`` accumulated micro-batches), every repetition the
+    same plan: each graph's frontier options, the switches between consecutive graphs
+    (wrapping around to the next step's first), static power over the whole step. Exact
+    over the product of the graphs' frontiers: switches couple neighbours, and a step has
+    few graphs."""
+    fronts = [front(g) for g in graphs]
+    plans = [[]]
+    for options in fronts:
+        plans = [[*plan, o] for plan in plans for o in options]
+    points = []
+    for plan in plans:
+        time_s = repeats * sum(o.time_s for o in plan)
+        effective = repeats * sum(o.effective_energy_j for o in plan)
+        for a, b in zip(plan, plan[1:] + plan[:1]):
+            seconds, joules = switch(a.choice, b.choice)
+            time_s += repeats * seconds
+            effective += repeats * joules
+        points.append(StepPoint(
+            time_s, effective + static_power_w * time_s, effective,
+            tuple(o.choice for o in plan),
+        ))
+    kept: list[StepPoint] = []
+    for p in sorted(points, key=lambda p: (p.time_s, p.energy_j)):
+        if not kept or p.energy_j < kept[-1].energy_j:
+            kept.append(p)
+    return kept
