@@ -28,6 +28,7 @@ measures alone and its measurement stands for the whole (symmetric) group.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import time
@@ -46,7 +47,9 @@ log = logging.getLogger("kareus")
 
 _MAX_POLL_S = 0.05
 
-MeasureHere = Callable[[Config], Measurement]
+MeasureHere = Callable[[Config, Callable[[int], int] | None], Measurement]
+"""Measures a configuration on this rank; the second argument is how the ranks agree on
+counts while measuring it together (``Workload.agree``; None alone)."""
 
 
 class ProfilingAborted(KareusError, RuntimeError):
@@ -90,9 +93,9 @@ class Team:
     def measure(self, step: int, config: Config, measure_here: MeasureHere) -> Measurement:
         """Instruction ``step``: every rank measures ``config``; the group's measurement."""
         if self.alone:
-            return group_measurement([measure_here(config)], self.group_size)
+            return group_measurement([measure_here(config, None)], self.group_size)
         self._store.set(self._step(step), f"measure {json.dumps(asdict(config))}")
-        mine = measure_here(config)
+        mine = measure_here(config, self.agreement(step))
         others = [self._step(step) + f"/rank/{r}" for r in self.ranks[1:]]
         self._wait(others, f"the measurements of step {step} by ranks {list(self.ranks[1:])}")
         theirs = [_measurement(_text(self._store.get(key))) for key in others]
@@ -120,12 +123,26 @@ class Team:
             if kind != "measure":
                 raise RuntimeError(f"unreadable instruction {kind!r} under {self._keys}")
             try:
-                mine = measure_here(Config(**json.loads(payload)))
+                mine = measure_here(Config(**json.loads(payload)), self.agreement(step))
             except BaseException as exc:
                 self.abort(f"rank {self.rank} failed to measure: {type(exc).__name__}: {exc}")
                 raise
             self._store.set(self._step(step) + f"/rank/{self.rank}", _measurement_json(mine))
             step += 1
+
+    def agreement(self, step: int) -> Callable[[int], int]:
+        """``Workload.agree`` for instruction ``step``: the n-th call on every rank posts
+        this rank's count and returns the largest the ranks posted."""
+        calls = itertools.count()
+
+        def agree(count: int) -> int:
+            key = f"{self._step(step)}/agree/{next(calls)}"
+            self._store.set(f"{key}/rank/{self.rank}", str(int(count)))
+            keys = [f"{key}/rank/{r}" for r in self.ranks]
+            self._wait(keys, f"the ranks' counts at {key}")
+            return max(int(_text(self._store.get(k))) for k in keys)
+
+        return agree
 
     # -- the store -------------------------------------------------------------------------
 

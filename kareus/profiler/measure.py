@@ -85,10 +85,11 @@ def measure_variant(
 
     if device.deterministic:
         return once()
+    decide = workload.agree or (lambda more: more)  # ranks measuring together repeat alike
     runs = [once()]
-    while len(runs) < protocol.repeats or (
+    while decide(int(len(runs) < protocol.repeats or (
         _spread(runs) > protocol.max_spread and len(runs) < protocol.max_repeats
-    ):
+    ))):
         if protocol.cooldown_s:
             sleep(protocol.cooldown_s)
         runs.append(once())

@@ -20,18 +20,23 @@ def reading(rank, config):
     return Measurement(t, 300.0 * t * config.clock_mhz / 1410, 85.0, config.clock_mhz, "x")
 
 
-def run_group(ranks, store, *, prefix="p", timeout_s=10.0, delay=None, fail=None, budget=8):
-    """Every rank in a thread; rank -> (result, measured) or the exception it raised."""
+def run_group(ranks, store, *, prefix="p", timeout_s=10.0, delay=None, fail=None, budget=8,
+              agreed=None):
+    """Every rank in a thread; rank -> (result, measured) or the exception it raised.
+    ``agreed``: rank -> the counts its measurements agreed on (each proposes its rank + 1,
+    then 0)."""
     outcome = {}
 
     def rank_main(rank):
         team = Team(tuple(ranks), rank, len(ranks), prefix, timeout_s, store)
 
-        def measure_here(config):
+        def measure_here(config, agree):
             if delay and rank in delay:
                 time.sleep(delay[rank])
             if fail == rank:
                 raise RuntimeError("GPU fell off the bus")
+            if agreed is not None:
+                agreed.setdefault(rank, []).append((agree(rank + 1), agree(0)))
             return reading(rank, config)
 
         try:
@@ -123,5 +128,14 @@ def test_a_failing_leader_stops_the_others_at_once():
 
 def test_one_rank_alone_needs_no_store():
     team = Team((0,), 0, 8, "p", 1.0)
-    m = team.measure(0, Config(0, None, 1410), lambda c: reading(0, c))
+    m = team.measure(0, Config(0, None, 1410), lambda c, agree: reading(0, c))
     assert m.energy_j == pytest.approx(8 * reading(0, Config(0, None, 1410)).energy_j)
+
+
+def test_ranks_measuring_together_agree_on_every_count():
+    """Window sizes and repeats: a rank running its collective once more than another
+    would wait forever, so each count is the largest any rank proposes."""
+    agreed = {}
+    outcome = run_group([0, 1, 2], dist.HashStore(), agreed=agreed, budget=4)
+    assert not any(isinstance(o, Exception) for o in outcome.values())
+    assert agreed[0] == agreed[1] == agreed[2] == [(3, 0)] * 4

@@ -105,3 +105,16 @@ def test_the_protocols_gpu_time_per_evaluation():
     # 0.1 s settle + 3 x (a 10 ms warm-up run + a 0.55 s window)
     assert Protocol().seconds_per_evaluation(0.01) == pytest.approx(0.1 + 3 * 0.56)
     assert Protocol(cooldown_s=5).seconds_per_evaluation(0.01) == pytest.approx(10.1 + 3 * 0.56)
+
+
+def test_ranks_measuring_together_repeat_alike():
+    """Steady here, but another rank of the group wants five repeats: this one follows."""
+    gpu = Scripted([(1.0, 10.0)] * 5)
+    asked = []
+
+    def agree(more):
+        asked.append(more)
+        return 1 if len(asked) <= 4 else 0
+
+    measure_variant(gpu, Workload("w", agree=agree), 1410)
+    assert gpu.calls == 5 and asked == [1, 1, 0, 0, 0]

@@ -50,6 +50,20 @@ def test_a_slow_warmup_is_followed_by_a_longer_window() -> None:
     assert window.wall_s >= gauge.min_window_s and window.time_s == pytest.approx(0.001)
 
 
+def test_ranks_measuring_together_run_as_often_as_the_slowest_needs() -> None:
+    """Each window's run count is agreed (``Workload.agree``): this rank would take 276
+    runs of 2 ms, another rank proposes 400; then whether to extend the window."""
+    gauge, clock = meter(min_window_s=0.5)
+    proposals: list[int] = []
+
+    def agree(count: int) -> int:
+        proposals.append(count)
+        return max(count, 400) if count else 0
+
+    window = gauge.measure(taking(clock, 0.002), agree)
+    assert window.runs == 400 and proposals == [276, 0]
+
+
 def test_unsupported_counter_falls_back_to_power_polling(caplog: pytest.LogCaptureFixture) -> None:
     gauge, clock = meter(FakeGpu(energy_counter=False))
     window = gauge.measure(taking(clock, 0.01))

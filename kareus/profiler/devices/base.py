@@ -26,6 +26,11 @@ class Workload:
     gm: torch.fx.GraphModule | None = None
     run: Callable[[], object] | None = None
     world_size: int = 1
+    agree: Callable[[int], int] | None = None
+    """Where ranks run the workload together (its collective needs every one of them):
+    the largest of the counts the ranks propose, called in the same order on each, so
+    that all run it equally often (a rank running it once more would wait forever in its
+    collective). None: this rank decides alone."""
 
 
 @dataclass(frozen=True)

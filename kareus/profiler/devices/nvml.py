@@ -221,7 +221,7 @@ class NvmlGPU(Device, Closing):
         self._controller.flush()
         if switching:
             self._sleep(self._settle_s)
-        window = self.meter.measure(workload.run)
+        window = self.meter.measure(workload.run, workload.agree)
         locked = not self.dry_run and clock_mhz != DEFAULT_CLOCK_MHZ
         return Measurement(
             time_s=window.time_s,

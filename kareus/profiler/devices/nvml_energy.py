@@ -161,14 +161,21 @@ class NvmlEnergyMeter:
         """Board power now (NVML's power reading, averaged by the driver over ~1 s)."""
         return self._nvml.nvmlDeviceGetPowerUsage(self._handle) / 1000.0
 
-    def measure(self, run: Callable[[], object]) -> Window:
+    def measure(
+        self, run: Callable[[], object], agree: Callable[[int], int] | None = None
+    ) -> Window:
         """A window of repeated ``run()`` calls that lasts at least ``min_window_s``, sized
-        from a single warm-up run."""
+        from a single warm-up run; ``agree`` (``Workload.agree``) makes every rank that
+        runs it together take the same, largest, count."""
+        decide = agree or (lambda runs: runs)
         warmup = self._window(run, 1)
-        window = self._window(run, self._runs_to_fill(warmup))
-        while window.wall_s < self.min_window_s:  # the warm-up overestimated one run
-            window = self._window(run, max(2 * window.runs, self._runs_to_fill(window)))
-        return window
+        window = self._window(run, decide(self._runs_to_fill(warmup)))
+        while True:
+            short = window.wall_s < self.min_window_s  # the warm-up overestimated one run
+            runs = decide(max(2 * window.runs, self._runs_to_fill(window)) if short else 0)
+            if not runs:
+                return window
+            window = self._window(run, runs)
 
     def _energy_counter_supported(self) -> bool:
         nvml = self._nvml
