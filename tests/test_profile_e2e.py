@@ -92,10 +92,21 @@ def test_a_rank_that_does_not_profile_costs_no_wait(tmp_path):
 def _nvml_worker(rank, port, out_dir, cache_dir):
     """A real device's path on each rank (the NVML meter on a fake driver, dry run)."""
     from fake_pynvml import FakeNvml
+    from torch._subclasses.fake_tensor import FakeTensor
 
     import kareus
+    from kareus.profiler import workloads
     from kareus.profiler.devices.nvml import NvmlGPU
 
+    real_inputs = []  # whether each input a variant got was a real tensor
+    random_like = workloads._random_like
+
+    def recording(*args):
+        tensor = random_like(*args)
+        real_inputs.append(not isinstance(tensor, FakeTensor))
+        return tensor
+
+    workloads._random_like = recording
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         gpu = NvmlGPU(nvml_module=FakeNvml(), dry_run=True, cuda=False, min_window_s=0.02,
@@ -108,18 +119,22 @@ def _nvml_worker(rank, port, out_dir, cache_dir):
         torch.manual_seed(0)
         model = AllReduceBlock()
         torch.compile(model, backend=backend)(torch.randn(4, 8)).sum().backward()
-        report(out_dir, rank, [r.profiles for r in backend.reports()])
+        report(out_dir, rank, ([r.profiles for r in backend.reports()], any(real_inputs)))
         dist.barrier()
     finally:
         dist.destroy_process_group()
     leave()
 
 
-def test_ranks_on_a_real_gpu_do_not_hang_in_a_variants_collective(tmp_path):
-    """Running a variant's all-reduce on both ranks while compiling hangs on gloo (both in
-    the first warm-up's collective); until that is fixed, every rank skips profiling alike,
-    with the reason, and the compile goes on."""
-    profiles0, profiles1 = run_ranks(_nvml_worker, str(tmp_path))
-    assert profiles0 == profiles1
-    errors = [p.error for graph in profiles0 for p in graph]
-    assert len(errors) == 2 and all("on 2 ranks while compiling, which hangs" in e for e in errors)
+def test_ranks_on_a_real_gpu_run_each_variant_together(tmp_path):
+    """The variants run for real on both ranks, with their all-reduce, in windows each
+    rank would size differently alone: they agree on every count, measure off the
+    compiling thread (on it, the first warm-up's collective blocked both ranks), and
+    reach the same frontiers."""
+    (profiles0, real0), (profiles1, real1) = run_ranks(_nvml_worker, str(tmp_path))
+    assert real0 and real1  # run on real tensors, not the compile's fake ones
+    fronts = [[(p.key, p.stopped, p.frontier, p.effective_frontier) for p in graph]
+              for graph in profiles0]
+    assert fronts == [[(p.key, p.stopped, p.frontier, p.effective_frontier) for p in graph]
+                      for graph in profiles1]
+    assert [(p.error, p.evaluations) for graph in profiles0 for p in graph] == [(None, 3)] * 2

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-
-from torch._subclasses.fake_tensor import unset_fake_temporarily
+from pathlib import Path
 
 from kareus.passes.analyse import GraphAnalysis
 from kareus.passes.collectives import find_collectives
@@ -104,11 +104,44 @@ def profile_graph(
     ):
         if choices.launch_slots > 1:  # else its collective is not split: nothing overlaps
             groups.setdefault(choices.key, []).append((choices, part))
-    with unset_fake_temporarily():  # compiling runs under fake tensors; measuring is real
+    def searches(thread_store: ProfileStore) -> tuple[PartitionProfile, ...]:
         return tuple(
-            _Search(analysis, k, members, device, store, settings, prefix, lower).run(progress)
+            _Search(analysis, k, members, device, thread_store, settings, prefix, lower)
+            .run(progress)
             for members in groups.values()
         )
+
+    return _outside_the_compile(searches, store.path)
+
+
+def _outside_the_compile(
+    searches: Callable[[ProfileStore], tuple[PartitionProfile, ...]], store_path: Path
+) -> tuple[PartitionProfile, ...]:
+    """Run ``searches`` on a thread of its own, with its own connection to the store.
+
+    The compiling thread carries the compile's thread-local state (dispatch modes, the
+    fake-tensor mode where one is active, tracing context). Measuring on it under
+    ``unset_fake_temporarily`` blocked every rank of a gloo group in the first warm-up's
+    collective (tests/test_profile_e2e.py, 60 s timeout); a fresh thread starts without
+    any of that state, so variants run on real tensors whatever the compile had active.
+    SQLite connections belong to one thread, hence a connection of its own.
+    """
+    result: list[tuple[PartitionProfile, ...]] = []
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            with ProfileStore(store_path) as store:
+                result.append(searches(store))
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the compiling thread
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name="kareus-profile")
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
+    return result[0]
 
 
 class _Search:
@@ -151,16 +184,6 @@ class _Search:
         """The profile, or one with the error where the search failed on any rank (a
         device, a workload that cannot be built, the store, a rank that timed out): the
         graph then compiles without it."""
-        if not (self.device.deterministic or self.team.alone):
-            # Every rank decides this alike (device kind, group size), so none waits.
-            reason = (
-                f"{self.device.name} would run the variants' {self.partition.collective.kind} "
-                f"on {self.team.group_size} ranks while compiling, which hangs (gloo: every "
-                "rank blocked in the first warm-up's collective, tests/test_profile_e2e.py); "
-                "profiling across ranks on a real GPU is off until that is fixed"
-            )
-            log.warning("%s: not profiled: %s", self.label, reason)
-            return self._profile(None, error=reason)
         try:
             if self.team.leads:
                 try:
