@@ -165,6 +165,7 @@ class KareusBackend:
                     analysis, k, device, self.store, settings, prefix=compile_key,
                     progress=progress,
                     lower=lambda gm, inputs: lower(gm, inputs, self.options.lowering),
+                    communicators=self.runtime.communicators,
                 )
         finally:
             if device.controls_clocks:

@@ -188,22 +188,26 @@ class NanobatchRewrite:
 
 def _node_plan(node: torch.fx.Node, place: dict[torch.fx.Node, NodePlacement]) -> _NodePlan:
     p = place[node]
-    split = per_nanobatch(p)
-    sliced = {}
-    if split:
-        for arg in node.all_input_nodes:
-            dim = _sliced_operand_dim(node, arg, place)
-            if dim is not None:
-                sliced[arg] = dim
     return _NodePlan(
         placement=p,
-        split=split,
+        split=per_nanobatch(p),
         meta={m: v for m, v in node.meta.items() if m not in _PROPAGATED},
-        sliced=sliced,
+        sliced=sliced_operands(node, place),
         resize=facts_of(node).resize,
         join_early=isinstance(p, Partial)
         and any(u.op == "output" or not per_nanobatch(place[u]) for u in node.users),
     )
+
+
+def sliced_operands(
+    node: torch.fx.Node, place: dict[torch.fx.Node, NodePlacement]
+) -> dict[torch.fx.Node, int]:
+    """The whole operands that ``node``, run per nanobatch, takes a nanobatch's slice of,
+    and along which dim (``_sliced_operand_dim``); none if it runs once."""
+    if not per_nanobatch(place[node]):
+        return {}
+    dims = {arg: _sliced_operand_dim(node, arg, place) for arg in node.all_input_nodes}
+    return {arg: dim for arg, dim in dims.items() if dim is not None}
 
 
 def _sliced_operand_dim(

@@ -32,6 +32,7 @@ from kareus.profiler.measure import Protocol, measure_variant
 from kareus.profiler.search import Config, Point, SearchResult, Space, pareto, search
 from kareus.profiler.store import Knobs, ProfileKey, ProfileStore, SearchRecord
 from kareus.profiler.workloads import Lower, partition_workload
+from kareus.runtime.communicators import Communicators
 
 log = logging.getLogger("kareus")
 
@@ -91,11 +92,14 @@ def profile_graph(
     prefix: str,
     progress: Progress | None = None,
     lower: Lower | None = None,
+    communicators: Communicators | None = None,
 ) -> tuple[PartitionProfile, ...]:
     """Search every distinct partition of ``analysis`` at ``k`` nanobatches (none when the
     mode is "off" or ``k`` does not apply). ``prefix`` names this compile of the graph
     identically on every rank (the agreement's compile key); ``lower`` compiles the
-    variants a device runs (see ``workloads.partition_workload``)."""
+    variants a device runs (see ``workloads.partition_workload``). A device that does not
+    model communication resources measures a capped collective on a capped communicator
+    from ``communicators``; without them, it searches only the library's default."""
     if settings.mode == "off" or k == 1 or k not in analysis.space.nanobatches:
         return ()
     groups: dict[str, list[tuple[PartitionChoices, Partition]]] = {}
@@ -106,8 +110,8 @@ def profile_graph(
             groups.setdefault(choices.key, []).append((choices, part))
     def searches(thread_store: ProfileStore) -> tuple[PartitionProfile, ...]:
         return tuple(
-            _Search(analysis, k, members, device, thread_store, settings, prefix, lower)
-            .run(progress)
+            _Search(analysis, k, members, device, thread_store, settings, prefix, lower,
+                    communicators).run(progress)
             for members in groups.values()
         )
 
@@ -157,14 +161,18 @@ class _Search:
         settings: Settings,
         prefix: str,
         lower: Lower | None,
+        communicators: Communicators | None,
     ) -> None:
         self.choices, self.partition = members[0]
         self.indices = tuple(c.index for c, _ in members)
         self.placements = analysis.placements[k]
         self.k, self.device, self.store, self.settings = k, device, store, settings
-        self.lower = lower
+        self.lower, self.communicators = lower, communicators
         self.label = f"{analysis.label} p{self.choices.index} ({self.choices.key[:8]})"
-        resources = self.choices.resources if device.models_resources else (None,)
+        # A real GPU runs a capped collective on a capped communicator, made by the team's
+        # ranks together when they first measure the cap (in the leader's order).
+        realisable = device.models_resources or communicators is not None
+        resources = self.choices.resources if realisable else (None,)
         self.space = Space(
             tuple(range(self.choices.launch_slots)), resources, device.search_clocks()
         )
@@ -176,7 +184,7 @@ class _Search:
             self.choices.key, device.identity, device.model_version, self.space.clocks,
             self.team.group_size,
         )
-        self._workloads: dict[int, tuple[Workload, str]] = {}
+        self._workloads: dict[tuple[int, int | None], tuple[Workload, str]] = {}
         self.measured: dict[Config, Measurement] = {}
         self.fresh = 0
 
@@ -251,22 +259,29 @@ class _Search:
         return SearchResult(points, record.stopped, list(record.hypervolumes))
 
     def _measure_here(self, config: Config, agree: Callable[[int], int] | None) -> Measurement:
-        workload, collective = self._workload(config.slot)
-        resources = {collective: config.sms} if config.sms is not None else None
+        modelled = self.device.models_resources and config.sms is not None
+        workload, collective = self._workload(config.slot, None if modelled else config.sms)
         return measure_variant(
             self.device, replace(workload, agree=agree), config.clock_mhz,
-            resources=resources, protocol=self.settings.protocol,
+            resources={collective: config.sms} if modelled else None,
+            protocol=self.settings.protocol,
         )
 
-    def _workload(self, slot: int) -> tuple[Workload, str]:
-        if slot not in self._workloads:
+    def _workload(self, slot: int, cap: int | None = None) -> tuple[Workload, str]:
+        """The variant at ``slot``, its collective on a communicator capped to ``cap`` CTAs
+        (None: the graph's own), and that collective's name."""
+        if (slot, cap) not in self._workloads:
+            group = None
+            if cap is not None:
+                assert self.communicators is not None  # no cap is searched without them
+                group = self.communicators.capped(self.choices.group_name, cap)
             workload = partition_workload(
-                self.partition, self.placements, self.k, slot,
+                self.partition, self.placements, self.k, slot, group_name=group,
                 world_size=self.team.group_size, lower=self.lower,
             )
             (collective,) = (c.name for c in find_collectives(workload.gm.graph))
-            self._workloads[slot] = workload, collective
-        return self._workloads[slot]
+            self._workloads[slot, cap] = workload, collective
+        return self._workloads[slot, cap]
 
     def _knobs(self, config: Config) -> Knobs:
         resources = {} if config.sms is None else {self._workload(config.slot)[1]: config.sms}

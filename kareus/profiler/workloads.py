@@ -16,11 +16,13 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from kareus.passes.nanobatch import with_group
+from kareus.passes.nanobatch import sliced_operands, with_group
 from kareus.passes.ops import resize_args
 from kareus.passes.partition import Partition
 from kareus.passes.placement import NodePlacement, PlacementResult, Split, Whole, per_nanobatch
 from kareus.profiler.devices.base import Workload
+
+aten = torch.ops.aten
 
 Lower = Callable[[torch.fx.GraphModule, list[torch.Tensor]], Callable[[list[Any]], Any]]
 """Compiles a graph for its example inputs into a boxed callable (``codegen.lowering.lower``
@@ -49,25 +51,52 @@ def partition_workload(
         raise ValueError(
             f"partition {partition.index}: its collective is not split into nanobatches"
         )
-    barriers = [n.name for n in partition.nodes if isinstance(place[n], Whole)]
-    if barriers:
-        raise ValueError(
-            f"partition {partition.index}: {', '.join(barriers)} cannot run per nanobatch"
-        )
+    # As the rewrite runs them: nodes independent of the batch once, before the nanobatches'
+    # compute; barriers (Whole) once per graph on joined values, so outside any one
+    # nanobatch's compute: a barrier's value that the partition's compute uses comes in
+    # whole, like a value from outside the partition, and is sliced where the rewrite
+    # slices it.
     members = set(partition.nodes)
+    barriers = {n for n in partition.nodes if isinstance(place[n], Whole)}
+    computed = [n for n in partition.nodes if n not in barriers]
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     specs: list[tuple[torch.Tensor, NodePlacement]] = []
 
     def add_input(node: torch.fx.Node, name: str) -> torch.fx.Node:
-        specs.append((node.meta["val"], place[node]))
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            raise TypeError(
+                f"partition {partition.index}: its compute takes {node.name}, which is not a "
+                f"tensor ({type(val).__name__})"
+            )
+        specs.append((val, place[node]))
         return graph.placeholder(name)
 
-    external = [i for n in partition.nodes for i in n.all_input_nodes if i not in members]
-    for node in dict.fromkeys(external):
+    needed = [i for n in computed for i in n.all_input_nodes if i not in members or i in barriers]
+    for node in dict.fromkeys(needed):
         env[node] = add_input(node, node.name)
     coll = partition.collective
     other = add_input(coll.node.all_input_nodes[0], "other_nanobatch_input")
+    slices: dict[tuple[torch.fx.Node, int], torch.fx.Node] = {}
+
+    def operand(node: torch.fx.Node, dims: dict[torch.fx.Node, int]) -> torch.fx.Node:
+        if node not in dims:
+            return env[node]
+        key = (node, dims[node])
+        if key not in slices:
+            size = node.meta["val"].shape[key[1]] // k
+            slices[key] = graph.call_function(aten.slice.Tensor, (env[node], key[1], 0, size))
+        return slices[key]
+
+    def emit(node: torch.fx.Node) -> None:
+        dims = sliced_operands(node, place)
+        args, kwargs = torch.fx.node.map_arg(
+            (node.args, node.kwargs), lambda a: operand(a, dims)
+        )
+        if per_nanobatch(place[node]):
+            args = resize_args(node, args, place[node], k)
+        env[node] = graph.create_node(node.op, node.target, args, kwargs)
 
     def issue() -> torch.fx.Node:
         args = torch.fx.node.map_arg(coll.node.args, lambda a: other)
@@ -75,20 +104,21 @@ def partition_workload(
             args = with_group(coll.node, args, group_name)
         return graph.call_function(coll.node.target, args)
 
+    for node in computed:
+        if not per_nanobatch(place[node]):
+            emit(node)
     issued = None
     for index, s in enumerate(partition.slots):
         if index == slot:
             issued = issue()
-        for node in partition.nodes:
-            if node.name in s.nodes:
-                args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
-                if per_nanobatch(place[node]):
-                    args = resize_args(node, args, place[node], k)
-                env[node] = graph.create_node(node.op, node.target, args, kwargs)
+        for node in computed:
+            if node.name in s.nodes and per_nanobatch(place[node]):
+                emit(node)
     if issued is None:
         issued = issue()
     waited = graph.call_function(coll.waits[0].target, (issued,))  # joined at the end
-    sinks = [env[n] for n in partition.nodes if not any(u in members for u in n.users)]
+    emitted = set(computed)
+    sinks = [env[n] for n in computed if not any(u in emitted for u in n.users)]
     graph.output((waited, *sinks))
     gm = torch.fx.GraphModule(torch.nn.Module(), graph)
     mode = FakeTensorMode()

@@ -213,3 +213,47 @@ def test_the_backend_compiles_and_measures_variants_on_a_real_gpu(fake_pg, tmp_p
                    for p in profiles)
         assert len(windows) == 2 * 2 * 2  # the backend's protocol: 2 repeats
         assert fake.gpus[0].locked is None  # profiling left the default clocks
+
+
+def test_a_real_gpu_measures_a_capped_collective_on_a_capped_communicator(fake_pg, tmp_path,
+                                                                          monkeypatch):
+    """Where the backend can cap a collective's CTAs (NCCL), a real GPU searches the caps:
+    each is a sub-communicator the team makes when it first measures it, and the variant's
+    collective is issued on it."""
+    import torch.distributed as dist
+    from fake_pynvml import FakeNvml
+
+    from kareus.passes import variants
+    from kareus.profiler.devices.nvml import NvmlGPU
+    from kareus.profiler.measure import Protocol
+    from kareus.runtime.communicators import Communicators
+
+    monkeypatch.setattr(variants, "resource_choices", lambda kind, group: (None, 4))
+    (_, analysis), _ = analysed(AllReduceBlock(), torch.randn(4, 8))
+    made = []
+
+    def make_group(group_name, max_ctas):
+        made.append((group_name, max_ctas))
+        return dist.new_group([0, 1], use_local_synchronization=True).group_name
+
+    issued_on = []
+    run_workload = profiling.partition_workload
+
+    def recording(*args, group_name=None, **kwargs):
+        issued_on.append(group_name)
+        return run_workload(*args, group_name=group_name, **kwargs)
+
+    monkeypatch.setattr(profiling, "partition_workload", recording)
+    with NvmlGPU(nvml_module=FakeNvml(), cuda=False, min_window_s=0.002, settle_s=0.0,
+                 reset_at_exit=False) as gpu, ProfileStore(cache_dir=tmp_path) as store:
+        settings = Settings(budget=12, protocol=Protocol(repeats=1))
+        (profile,) = profile_graph(analysis, 2, gpu, store, settings, prefix="fw",
+                                   communicators=Communicators(make_group))
+        gpu.clock_controller().reset()
+        (key,) = store.keys()
+        caps = [sms for e in store.evaluations(key) for _, sms in e.knobs.resources]
+    assert profile.error is None and profile.measured == 12
+    assert profile.space_size == 2 * 2 * len(gpu.search_clocks())  # slots x caps x clocks
+    assert made == [(analysis.collectives[0].group_name, 4)]  # made once, when first measured
+    (capped,) = {name for name in issued_on if name is not None}
+    assert capped != analysis.collectives[0].group_name and caps and set(caps) == {4}

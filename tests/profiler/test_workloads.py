@@ -2,9 +2,12 @@
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from conftest import analysed, tp_llama
+from torch.testing import FileCheck
 
-from kareus.passes.placement import Split
+from kareus.passes.placement import Split, Whole
 from kareus.profiler.devices import SimulatedGPU
 from kareus.profiler.devices.simulated import Step, graph_cost
 from kareus.profiler.workloads import _random_like, partition_workload
@@ -37,3 +40,42 @@ def test_random_inputs_keep_the_graphs_layout():
     half.permute(0, 1, 3, 2).view(2, 16, 24)  # the view the graph makes: needs the layout
     with pytest.raises(RuntimeError, match="view"):
         torch.randn(2, 16, 8, 3).permute(0, 1, 3, 2).view(2, 16, 24)
+
+
+class MaskedBlock(torch.nn.Module):
+    """Two all-reduces; between them a per-sample mask made by ops that mix the batch
+    (barriers: computed once on the whole batch) and applied per nanobatch."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 16)
+
+    def forward(self, x, mask):
+        h = torch.relu(funcol.all_reduce(self.a(x), "sum", dist.group.WORLD))
+        h = self.b(h * torch.flip(mask, dims=[0]).cumsum(0))
+        return funcol.all_reduce(h, "sum", dist.group.WORLD)
+
+
+def test_barriers_stay_out_and_whole_values_come_in_sliced(fake_pg):
+    # As the rewrite runs them: barriers once per graph, outside a nanobatch's compute;
+    # their value comes in whole and is sliced where the compute pairs it with a nanobatch.
+    # (On HF Llama with padding the profiler refused the partitions holding the mask and
+    # broadcast the whole mask against a nanobatch.)
+    torch.manual_seed(0)
+    graphs = analysed(MaskedBlock(), torch.randn(4, 8), torch.randn(4, 16))
+    (_, forward), _ = graphs
+    place = forward.placements[2]
+    first, second = forward.partitioning.partitions
+    assert {n.name for n in first.nodes if isinstance(place.placements[n], Whole)} == {
+        "rev", "cumsum"
+    }
+    code = partition_workload(first, place, 2, 0, world_size=2).gm.code
+    FileCheck().check("all_reduce").check("addmm").check_not("flip").check_not("cumsum").run(code)
+    code = partition_workload(second, place, 2, 0, world_size=2).gm.code
+    FileCheck().check("forward(").check("cumsum").check("slice.Tensor(cumsum, 0, 0, 2)").check(
+        "mul.Tensor").run(code)
+    for _, a in graphs:
+        for p in a.partitioning.partitions:
+            for slot in range(len(p.slots) + 1):
+                waited, *sinks = partition_workload(p, a.placements[2], 2, slot, world_size=2).run()
+                assert waited.shape[0] == 2 and all(s.shape[0] in (2, 16, 8) for s in sinks)

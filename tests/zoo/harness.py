@@ -34,6 +34,9 @@ import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
 WORLD_SIZE = 2
+# An option set with this key true profiles on a device that runs every variant it
+# measures (``_measuring_backend``), not on the simulator, which only costs their graphs.
+FAKE_NVML = "measure_on_fake_nvml"
 LR = 0.1
 
 # The option sets the zoo is measured at: k = 1, 2, 4 with Inductor, k = 2, 4 op by op.
@@ -172,7 +175,10 @@ def _worker(
             # when the next option set's group forms.
             result = ZooResult(
                 model_name, dict(options), rank,
-                compile_options={**_known(EXTRA_OPTIONS.get(model_name, {})), **options},
+                compile_options={
+                    **_known(EXTRA_OPTIONS.get(model_name, {})),
+                    **{k: v for k, v in options.items() if k != FAKE_NVML},
+                },
             )
             current[:] = [(result, time.perf_counter())]
             _run_options(result, steps, _setup(rank, scratch))
@@ -267,7 +273,10 @@ def _run_options(result: ZooResult, steps: int, setup) -> None:
 
 def _train(tested, reference, steps: int, result: ZooResult) -> None:
     """``tested`` compiled with kareus, ``reference`` eager; the same batches, step by step."""
-    compiled = torch.compile(tested.model, backend="kareus", options=result.compile_options)
+    if result.options.get(FAKE_NVML):
+        compiled = torch.compile(tested.model, backend=_measuring_backend(result.compile_options))
+    else:
+        compiled = torch.compile(tested.model, backend="kareus", options=result.compile_options)
     opt = torch.optim.SGD(tested.model.parameters(), lr=LR)
     ref_opt = torch.optim.SGD(reference.model.parameters(), lr=LR)
     with torch._dynamo.config.patch(tested.dynamo_config):
@@ -278,6 +287,20 @@ def _train(tested, reference, steps: int, result: ZooResult) -> None:
             result.max_grad_diff.append(_max_grad_diff(tested.model, reference.model))
             opt.step()
             ref_opt.step()
+
+
+def _measuring_backend(options: dict[str, object]):
+    """kareus measuring every profiled variant for real: the NVML meter on the fake driver
+    (tests/fake_pynvml.py; dry run, CPU), one short window per evaluation."""
+    from fake_pynvml import FakeNvml
+
+    import kareus
+    from kareus.profiler.devices.nvml import NvmlGPU
+    from kareus.profiler.measure import Protocol
+
+    gpu = NvmlGPU(nvml_module=FakeNvml(), dry_run=True, cuda=False, min_window_s=0.01,
+                  settle_s=0.0, reset_at_exit=False)
+    return kareus.KareusBackend(options, device=gpu, protocol=Protocol(repeats=1, max_repeats=1))
 
 
 def _step(run_model, zoo_model, opt, batch) -> float:
@@ -311,7 +334,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def options_label(options: dict[str, object]) -> str:
     """``k2-inductor``: the nanobatch count and the lowering."""
-    return f"k{options.get('nanobatches', 1)}-{options.get('lowering', 'inductor')}"
+    label = f"k{options.get('nanobatches', 1)}-{options.get('lowering', 'inductor')}"
+    return label + ("-measured" if options.get(FAKE_NVML) else "")
 
 
 def coverage_text(report) -> str:

@@ -15,7 +15,7 @@ import functools
 
 import pytest
 
-from .harness import ZooResult, graph_line, options_label, run_zoo
+from .harness import FAKE_NVML, ZooResult, graph_line, options_label, run_zoo
 from .models import REQUIRES
 
 pytestmark = [pytest.mark.slow, pytest.mark.zoo]
@@ -25,6 +25,8 @@ K2 = {"nanobatches": 2}
 K4 = {"nanobatches": 4}
 K2_EAGER = {"nanobatches": 2, "lowering": "eager"}
 K4_EAGER = {"nanobatches": 4, "lowering": "eager"}
+# Profiling that runs every variant it measures (the simulator only costs their graphs).
+K2_MEASURED = {**K2_EAGER, "search_budget": 2, FAKE_NVML: True}
 
 # Kept small for the 2-core CI budget (about 5 minutes with a cold Inductor cache): each
 # Inductor option set costs 25-45 s of compilation, an eager-lowering one about 5 s.
@@ -38,7 +40,7 @@ MATRIX: dict[str, list[dict[str, object]]] = {
     "titan-llama3-lossparallel": [K2_EAGER],
     "hf-llama-auto": [K2, K2_EAGER, K4_EAGER],
     # right padding, a batch-varying 4-D mask: eager lowering gave wrong losses here at 347e274
-    "hf-llama-auto-padded": [K2_EAGER, K4_EAGER],
+    "hf-llama-auto-padded": [K2_EAGER, K4_EAGER, K2_MEASURED],
     "hf-llama-colrow": [K2_EAGER, K4_EAGER],
     "hf-qwen3-auto": [K2, K2_EAGER, K4_EAGER],
     "hf-mixtral-ep": [K2_EAGER],
@@ -92,6 +94,11 @@ def test_trains_like_eager(model, options):
             )
         assert max(r.max_grad_diff) < GRAD_ABS, f"rank {r.rank} grad diffs {r.max_grad_diff}"
     assert results[0].losses == results[1].losses, "the ranks' losses differ"
+    for r in results:  # every partition of every rewritten graph profiled, none failed
+        profiles = [p for g in r.reports for p in g.profiles]
+        assert all(p.error is None for p in profiles), [p.error for p in profiles if p.error]
+        assert all(p.evaluations for p in profiles)
+        assert all(g.profiles for g in r.reports if g.nanobatches > 1), "a graph unprofiled"
     if model in MOE:
         return
     for r in results:
