@@ -20,11 +20,13 @@ from kareus.runtime.clock import (
 )
 
 if TYPE_CHECKING:
-    from kareus.backend import KareusBackend, clear_graph_reports, graph_reports
+    from kareus.backend import KareusBackend, clear_graph_reports, current_plan, graph_reports
 
 # The backend pulls in Inductor; ``import kareus`` (and every submodule import, such as a
 # clock controller's) stays light until it is used.
-_FROM_BACKEND = frozenset({"KareusBackend", "clear_graph_reports", "graph_reports"})
+_FROM_BACKEND = frozenset(
+    {"KareusBackend", "clear_graph_reports", "current_plan", "graph_reports"}
+)
 
 
 def __getattr__(name: str) -> Any:
@@ -48,6 +50,7 @@ __all__ = [
     "RecordingClockController",
     "__version__",
     "clear_graph_reports",
+    "current_plan",
     "graph_reports",
     "use_controller",
 ]

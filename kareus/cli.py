@@ -24,18 +24,36 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--layers", type=_positive, default=2)
     demo.add_argument("--sequence-parallel", action="store_true")
     demo.add_argument("--lowering", choices=("inductor", "eager"), default="inductor")
-    demo.add_argument("--nanobatches", type=int, choices=(1, 2, 4), default=2)
+    demo.add_argument("--nanobatches", choices=("1", "2", "4", "auto"), default="auto",
+                      help="the nanobatch count, or auto: the plan picks one per graph")
     demo.add_argument(
         "--device",
         default="auto",
         help='"auto", "nvml", "nvml-dry-run", "sim:<preset>" or a GPU .json',
     )
+    demo.add_argument("--dim", type=_positive, default=512, help="model width")
+    demo.add_argument("--batch", type=_positive, default=8)
+    demo.add_argument("--seq-len", type=_positive, default=128)
+    budget = demo.add_mutually_exclusive_group()
+    budget.add_argument("--time-budget", default=None, help='a fraction of the baseline '
+                        'step time (1.1, the default when no budget is given) or "12 ms"')
+    budget.add_argument("--energy-budget", default=None,
+                        help='a fraction of the baseline step energy (0.95) or "2 J"')
+    budget.add_argument("--energy-time-tradeoff", type=float, default=None,
+                        help="Zeus's eta in [0, 1]")
+    budget.add_argument("--fastest", action="store_true",
+                        help="no budget: the least energy no slower than the fastest plan")
+    demo.add_argument("--out", default="kareus-demo-plan.png",
+                      help="the frontier plot (the plan goes beside it as .json)")
+    show = sub.add_parser("show", help="a plan or a profile store: a table and a frontier plot")
+    show.add_argument("target", help="a plan JSON file, a profile store file or its directory")
+    show.add_argument("--out", default=None, help="the PNG (default: beside the target)")
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=(logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)],
         format="%(levelname)s %(name)s: %(message)s",
     )
-    return {"demo": _demo}[args.command](args)
+    return {"demo": _demo, "show": _show}[args.command](args)
 
 
 def _positive(text: str) -> int:
@@ -48,24 +66,74 @@ def _positive(text: str) -> int:
     return value
 
 
-def _demo(args: argparse.Namespace) -> int:
-    from kareus.demo import DemoConfig, run
-    from kareus.models.llama import LlamaConfig
-    from kareus.reports import make_console, print_report
+def _amount(text: str | None) -> float | str | None:
+    """A budget from the command line: a number is a fraction of the baseline's."""
+    if text is None:
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def _budget(args: argparse.Namespace) -> dict[str, object]:
+    if args.fastest:
+        return {}
+    if args.energy_budget is not None:
+        return {"energy_budget": _amount(args.energy_budget)}
+    if args.energy_time_tradeoff is not None:
+        return {"energy_time_tradeoff": args.energy_time_tradeoff}
+    return {"time_budget": _amount(args.time_budget) if args.time_budget else 1.1}
+
+
+def _show(args: argparse.Namespace) -> int:
+    from kareus.errors import KareusError
+    from kareus.reports import make_console
+    from kareus.show import show
 
     console = make_console()
+    try:
+        show(args.target, args.out, console)
+    except KareusError as exc:
+        console.print(f"[red]kareus show:[/] {exc}", markup=True, highlight=False)
+        return 2
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kareus.demo import DemoConfig, run
+    from kareus.models.llama import LlamaConfig
+    from kareus.options import KareusOptionError, KareusOptions
+    from kareus.reports import make_console, print_report
+    from kareus.show import show
+
+    console = make_console()
+    nanobatches = args.nanobatches if args.nanobatches == "auto" else int(args.nanobatches)
+    options = {"lowering": args.lowering, "device": args.device, "nanobatches": nanobatches,
+               **_budget(args)}
+    try:
+        KareusOptions.from_dict(options)  # a bad budget fails here, not in every rank
+    except KareusOptionError as exc:
+        console.print(f"[red]kareus demo:[/] {exc}", highlight=False)
+        return 2
     cfg = DemoConfig(
         world_size=args.world_size,
         steps=args.steps,
-        model=LlamaConfig(n_layers=args.layers),
+        batch=args.batch,
+        seq_len=args.seq_len,
+        model=LlamaConfig(n_layers=args.layers, dim=args.dim, ffn_dim=3 * args.dim,
+                          n_heads=max(1, args.dim // 64), max_seq_len=args.seq_len),
         sequence_parallel=args.sequence_parallel,
-        options={"lowering": args.lowering, "device": args.device, "nanobatches": args.nanobatches},
+        options=options,
     )
     layout = "TP + sequence parallel" if cfg.sequence_parallel else "TP"
+    budget = ", ".join(f"{k} {v}" for k, v in _budget(args).items()) or "the fastest plan"
     console.print(
         f"[bold]kareus demo[/]: {cfg.model.n_layers}-layer Llama (dim {cfg.model.dim}), "
         f"{layout} over {cfg.world_size} gloo processes, {cfg.options['lowering']} lowering, "
-        f"device {cfg.options['device']}, {cfg.options['nanobatches']} nanobatches, "
+        f"device {cfg.options['device']}, nanobatches {nanobatches}, budget: {budget}, "
         f"{cfg.steps} AdamW steps"
     )
     start = time.perf_counter()
@@ -86,10 +154,23 @@ def _demo(args: argparse.Namespace) -> int:
         "collectives kept split into nanobatches (rank 0): "
         + "; ".join(f"{r.label} {r.coverage.split}/{r.coverage.total}" for r in rank0.reports)
     )
+    switches: dict[tuple[str, int], int] = {}
+    for graph, mhz in rank0.clock_switches:
+        switches[graph, mhz] = switches.get((graph, mhz), 0) + 1
     console.print(
-        f"clock switches recorded on rank 0: {len(rank0.clock_switches)} "
-        f"(one per graph execution); finished in {elapsed:.1f} s"
+        f"clock switches recorded on rank 0: {len(rank0.clock_switches)} (one per graph "
+        "execution; 0 MHz: the default clock): "
+        + ", ".join(f"{g} at {mhz} MHz x{n}" for (g, mhz), n in switches.items())
     )
+    if rank0.plan is not None:
+        if any(r.plan != rank0.plan for r in results):
+            console.print("[red]the ranks ran different plans[/]")
+            return 1
+        plan_path = rank0.plan.save(Path(args.out).with_suffix(".json"))
+        show(plan_path, args.out, console)
+    else:
+        console.print("no plan was made (nothing to choose: see the graph reports)")
+    console.print(f"finished in {elapsed:.1f} s")
     return 0
 
 

@@ -50,6 +50,7 @@ class RankResult:
     max_grad_diff: list[float]  # per step, max |grad_compiled - grad_reference| over all params
     clock_switches: list[tuple[str, int]]
     reports: list[object]
+    plan: object = None  # kareus.planner.plan.Plan this rank ran (None: none was made)
 
 
 def run(cfg: DemoConfig) -> list[RankResult]:
@@ -146,6 +147,7 @@ def train(rank: int, cfg: DemoConfig) -> RankResult:
         max_grad_diff=grad_diffs,
         clock_switches=[(s.graph, s.mhz) for s in recorder.switches],
         reports=kareus.graph_reports(),
+        plan=kareus.current_plan(),
     )
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kareus.errors import KareusError
+from kareus.planner.budget import Budget, BudgetError
 
 
 class KareusOptionError(KareusError, ValueError):
@@ -38,12 +39,14 @@ class KareusOptions:
             "or models; auto: this GPU through NVML, else the simulated default",
         },
     )
-    nanobatches: int = dataclasses.field(
+    nanobatches: int | str = dataclasses.field(
         default=1,
         metadata={
-            "choices": (1, 2, 4),
-            "doc": "split every graph where it is safe into this many nanobatches, each "
-            "partition's collective issued at its earliest slot (1: no rewrite)",
+            "choices": (1, 2, 4, "auto"),
+            "doc": "split every graph where it is safe into this many nanobatches (1: no "
+            "rewrite; auto: the plan picks the count per graph); with profiling on, the plan "
+            "picks each partition's launch slot and resources and each graph's clock, else "
+            "every collective is issued at its earliest slot",
         },
     )
     agreement_timeout_s: float = dataclasses.field(
@@ -90,6 +93,51 @@ class KareusOptions:
             "$XDG_CACHE_HOME/kareus, else ~/.cache/kareus); must be a local filesystem",
         },
     )
+    energy_budget: float | str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "validate": lambda value: _budget_problem(energy_budget=value),
+            "accepted": 'None | a fraction of the baseline\'s step energy (0.9) | an energy '
+            'per step ("350 J", "2 kJ")',
+            "doc": "run the fastest plan whose step energy fits (baseline: default clocks, no "
+            "rewrite)",
+        },
+    )
+    time_budget: float | str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "validate": lambda value: _budget_problem(time_budget=value),
+            "accepted": 'None | a fraction of the baseline\'s step time (1.05) | a time per '
+            'step ("1.2 s", "800 ms")',
+            "doc": "run the least-energy plan whose step time fits",
+        },
+    )
+    energy_time_tradeoff: float | None = dataclasses.field(
+        default=None,
+        metadata={
+            "validate": lambda value: _budget_problem(energy_time_tradeoff=value),
+            "accepted": "None | a number in [0, 1]",
+            "doc": "run the plan of least eta * energy + (1 - eta) * P_max * time (Zeus's "
+            "eta); without any budget: the least energy no slower than the fastest plan",
+        },
+    )
+    plan: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "validate": lambda value: _directory_problem(value),
+            "accepted": "None | a plan JSON path",
+            "doc": "run the choices of a plan kareus wrote (kareus.current_plan(), the cache "
+            "directory's plans/) instead of planning; refused for graphs it was not made for",
+        },
+    )
+    verify: bool = dataclasses.field(
+        default=False,
+        metadata={
+            "type": bool,
+            "doc": "check the first run of every newly chosen rewrite against the unrewritten "
+            "graph (outputs, and so gradients); a mismatch runs that graph unrewritten",
+        },
+    )
     explain: bool = dataclasses.field(
         default=False,
         metadata={
@@ -102,6 +150,14 @@ class KareusOptions:
         # However the options are built (from a dict, or directly), a bad value fails here.
         for f in dataclasses.fields(self):
             _check(f, getattr(self, f.name))
+        problem = _budget_problem(self.energy_budget, self.time_budget, self.energy_time_tradeoff)
+        if problem:
+            raise KareusOptionError(f"kareus options: {problem}")
+
+    @property
+    def budget(self) -> Budget:
+        """What the plan optimises for (``planner.budget``)."""
+        return Budget.parse(self.energy_budget, self.time_budget, self.energy_time_tradeoff)
 
     @classmethod
     def from_dict(cls, options: Mapping[str, Any] | None) -> KareusOptions:
@@ -136,6 +192,16 @@ def _device_problem(value: object) -> str | None:
     from kareus.profiler.devices.resolve import spec_problem
 
     return spec_problem(value)
+
+
+def _budget_problem(
+    energy_budget: object = None, time_budget: object = None, energy_time_tradeoff: object = None
+) -> str | None:
+    try:
+        Budget.parse(energy_budget, time_budget, energy_time_tradeoff)
+    except BudgetError as exc:
+        return str(exc)
+    return None
 
 
 def _timeout_problem(value: object) -> str | None:
@@ -175,6 +241,8 @@ def _check(f: dataclasses.Field, value: Any) -> None:
         problem = None if ok else ""
     else:
         problem = None if type(value) is meta["type"] else ""
+    if problem is not None and "accepted:" in problem:  # says it all (a budget's parser)
+        raise KareusOptionError(f"kareus option {f.name!r}: {problem.split(': ', 1)[-1]}")
     if problem is not None:
         raise KareusOptionError(
             f"kareus option {f.name!r}: got {value!r} ({type(value).__name__}); "

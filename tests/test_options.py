@@ -41,8 +41,9 @@ def test_custom_gpu_file_is_a_device(tmp_path):
             {"lowerin": "eager"},
             (
                 "unknown kareus option 'lowerin'; "
-                "accepted options: agreement_timeout_s, cache_dir, device, explain, lowering, "
-                "nanobatches, profile, search_budget, seed"
+                "accepted options: agreement_timeout_s, cache_dir, device, energy_budget, "
+                "energy_time_tradeoff, explain, lowering, nanobatches, plan, profile, "
+                "search_budget, seed, time_budget, verify"
             ),
         ),
         (
@@ -108,7 +109,8 @@ def test_every_option_is_described():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"nanobatches": 3}, "kareus option 'nanobatches': got 3 (int); accepted: 1 | 2 | 4"),
+        ({"nanobatches": 3},
+         "kareus option 'nanobatches': got 3 (int); accepted: 1 | 2 | 4 | 'auto'"),
         ({"lowering": "cuda"}, "kareus option 'lowering': got 'cuda'"),
         ({"agreement_timeout_s": -1.0}, "must be finite and > 0"),
     ],

@@ -27,6 +27,7 @@ class ReasonKind(str, Enum):
     # A graph runs unrewritten.
     CANNOT_REWRITE = "cannot-rewrite"
     RANKS_DISAGREED = "ranks-disagreed"
+    VERIFY_FAILED = "verify-failed"  # its rewrite computed other values than the graph
 
 
 @dataclass(frozen=True)

@@ -100,29 +100,46 @@ def step_frontier(
     repeats: int = 1,
     static_power_w: float,
     switch: Switch = lambda a, b: (0.0, 0.0),
+    switch_key: Callable[[Any], Hashable] = lambda choice: choice,
 ) -> list[StepPoint]:
     """The frontier of a step that runs ``graphs`` in order ``repeats`` times (the forward
     and backward of each of ``repeats`` accumulated micro-batches), every repetition the
     same plan: each graph's frontier options, the switches between consecutive graphs
-    (wrapping around to the next step's first), static power over the whole step. Exact
-    over the product of the graphs' frontiers: switches couple neighbours, and a step has
-    few graphs."""
+    (wrapping around to the next step's first), static power over the whole step.
+
+    ``switch`` must depend on its choices only through ``switch_key`` (a graph's clock):
+    partial plans are then merged graph by graph and pruned among those with the same
+    first and last key, which is exact (what follows costs the same for all of them) and
+    keeps the work linear in the number of graphs."""
     fronts = [front(g) for g in graphs]
-    plans = [[]]
-    for options in fronts:
-        plans = [[*plan, o] for plan in plans for o in options]
+    if not fronts or not all(fronts):
+        return []
+    partial: dict[tuple[Hashable, Hashable], list[Option]] = {}
+    for o in fronts[0]:
+        key = switch_key(o.choice)
+        partial.setdefault((key, key), []).append(
+            Option(o.time_s, o.effective_energy_j, (o.choice,))
+        )
+    for options in fronts[1:]:
+        merged: dict[tuple[Hashable, Hashable], list[Option]] = {}
+        for (first, _), plans in partial.items():
+            for o in options:
+                for p in plans:
+                    seconds, joules = switch(p.choice[-1], o.choice)
+                    merged.setdefault((first, switch_key(o.choice)), []).append(Option(
+                        p.time_s + seconds + o.time_s,
+                        p.effective_energy_j + joules + o.effective_energy_j,
+                        (*p.choice, o.choice),
+                    ))
+        partial = {key: front(plans) for key, plans in merged.items()}
     points = []
-    for plan in plans:
-        time_s = repeats * sum(o.time_s for o in plan)
-        effective = repeats * sum(o.effective_energy_j for o in plan)
-        for a, b in zip(plan, plan[1:] + plan[:1]):
-            seconds, joules = switch(a.choice, b.choice)
-            time_s += repeats * seconds
-            effective += repeats * joules
-        points.append(StepPoint(
-            time_s, effective + static_power_w * time_s, effective,
-            tuple(o.choice for o in plan),
-        ))
+    for plans in partial.values():
+        for p in plans:
+            seconds, joules = switch(p.choice[-1], p.choice[0])  # into the next step
+            time_s = repeats * (p.time_s + seconds)
+            effective = repeats * (p.effective_energy_j + joules)
+            points.append(StepPoint(time_s, effective + static_power_w * time_s, effective,
+                                    p.choice))
     kept: list[StepPoint] = []
     for p in sorted(points, key=lambda p: (p.time_s, p.energy_j)):
         if not kept or p.energy_j < kept[-1].energy_j:

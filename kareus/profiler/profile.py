@@ -76,6 +76,8 @@ class PartitionProfile:
     device: str
     model_version: str | None
     error: str | None = None
+    points: tuple[FrontierPoint, ...] = ()  # every evaluation, in the order it was made
+    group_size: int = 1  # the ranks whose GPUs time and energy add up (``group_measurement``)
 
 
 Progress = Callable[[str, int, int, list[Point]], None]
@@ -209,7 +211,7 @@ class _Search:
 
     def _lead(self, progress: Progress | None) -> SearchResult:
         search_id = json.dumps({
-            "slots": self.space.slots, "resources": self.space.resources,
+            "nanobatches": self.k, "slots": self.space.slots, "resources": self.space.resources,
             "budget": self.settings.budget, "seed": self.settings.seed,
         })
         if self.settings.mode == "auto" and (replayed := self._replay(search_id)) is not None:
@@ -288,7 +290,7 @@ class _Search:
         return Knobs(config.slot, resources, config.clock_mhz, self.k)
 
     def _profile(self, result: SearchResult | None, error: str | None = None) -> PartitionProfile:
-        def front(points: list[Point]) -> tuple[FrontierPoint, ...]:
+        def records(points: list[Point]) -> tuple[FrontierPoint, ...]:
             return tuple(
                 FrontierPoint(self._knobs(p.config), p.time_s, p.energy_j, p.effective_energy_j)
                 for p in points
@@ -304,9 +306,11 @@ class _Search:
             evaluations=len(points),
             measured=self.fresh,
             stopped=result.stopped if result is not None else "failed",
-            frontier=front(pareto(points)),
-            effective_frontier=front(pareto(points, lambda p: p.effective_energy_j)),
+            frontier=records(pareto(points)),
+            effective_frontier=records(pareto(points, lambda p: p.effective_energy_j)),
             device=self.device.identity,
             model_version=self.device.model_version,
             error=error,
+            points=records(points),
+            group_size=self.team.group_size,
         )

@@ -275,6 +275,22 @@ def _predict(curves: dict[tuple[int, int | None], Curve], config: Config) -> Poi
     return Point(config, time_s, energy_j, energy_j - static_w * time_s)
 
 
+def complete(points: Iterable[Point], clocks: Iterable[int]) -> list[Point]:
+    """The measured points and, for every measured schedule, a prediction at each clock of
+    ``clocks`` it was not measured at (``_predict``; none where no measured schedule spans
+    that clock): what a planner composes one clock at a time. The search measures a
+    schedule at a few clocks only, so clocks common to every partition are rare."""
+    measured = list(points)
+    curves = _curves(measured)
+    predicted = [
+        guess
+        for (slot, sms), curve in curves.items()
+        for clock in clocks
+        if clock not in curve and (guess := _predict(curves, Config(slot, sms, clock)))
+    ]
+    return measured + predicted
+
+
 def _floor(curve: Curve) -> int:
     """The highest measured clock that costs at least as much energy as a higher measured
     one: with time falling and energy convex in the clock, every clock below it is

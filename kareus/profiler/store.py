@@ -66,7 +66,6 @@ SCHEMA_VERSION = 2  # 2: searches replace frontiers
 APPLICATION_ID = 0x4B415245  # "KARE": tells a kareus store from any other SQLite file.
 FILENAME = "profiles.sqlite"
 BUSY_TIMEOUT_S = 30.0
-_SQLITE_HEADER = b"SQLite format 3\x00"
 
 _SCHEMA = """
 CREATE TABLE keys (
@@ -460,15 +459,15 @@ def _connect(path: Path) -> sqlite3.Connection:
 def _problem(path: Path) -> tuple[str, str] | None:
     """Why the file at ``path`` cannot be used as it is, and the suffix to set it aside
     under; None for a valid store, a missing file or an empty one. Reads only."""
+    # Only SQLite opens the file: closing any other descriptor of it drops every POSIX lock
+    # this process holds on it, those of its live connections too (SQLite's "how to
+    # corrupt" list); a profiling thread opening the store while the compiling thread has it
+    # open did that, and the ranks' WAL reads then failed with "disk I/O error".
     try:
-        with open(path, "rb") as f:
-            header = f.read(len(_SQLITE_HEADER))
+        if path.stat().st_size == 0:
+            return None
     except FileNotFoundError:
         return None
-    if not header:
-        return None
-    if header != _SQLITE_HEADER:
-        return "is not a SQLite database", "corrupt"
     conn = None
     try:
         conn = _connect(path)
@@ -478,6 +477,13 @@ def _problem(path: Path) -> tuple[str, str] | None:
         app_id = conn.execute("PRAGMA application_id").fetchone()[0]
         version = conn.execute("PRAGMA user_version").fetchone()[0]
         tables = conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]
+    except sqlite3.OperationalError as exc:
+        # I/O errors and locks are not damage: setting the file aside would take a live
+        # store from under the processes using it.
+        code = getattr(exc, "sqlite_errorname", "")
+        raise ProfileStoreError(
+            f"cannot check the profile store {path}: {exc} {code}".rstrip()
+        ) from exc
     except sqlite3.DatabaseError as exc:
         return f"is corrupt ({exc})", "corrupt"
     finally:

@@ -282,6 +282,60 @@ def test_corrupted_file_is_set_aside(tmp_path, caplog, damage):
     assert str(path) in message and str(moved) in message and "corrupt" in message
 
 
+def test_an_io_error_while_checking_is_not_damage(tmp_path, monkeypatch):
+    """An I/O error or a lock is no reason to set a store aside: other processes may be
+    using it. An error names the store; the file stays."""
+    from kareus.profiler import store as store_module
+
+    path = tmp_path / FILENAME
+    _real_store(path, 3)
+    connect = store_module._connect
+
+    class Failing:
+        def __init__(self, conn):
+            self.conn = conn
+
+        def execute(self, sql, *args):
+            if sql == "PRAGMA quick_check":
+                raise sqlite3.OperationalError("disk I/O error")
+            return self.conn.execute(sql, *args)
+
+        def close(self):
+            self.conn.close()
+
+    monkeypatch.setattr(store_module, "_connect", lambda p: Failing(connect(p)))
+    with pytest.raises(KareusError, match="cannot check the profile store .*disk I/O error"):
+        ProfileStore(path)
+    monkeypatch.undo()
+    assert set_aside(tmp_path, "corrupt") == []
+    with ProfileStore(path) as store:
+        assert len(store.evaluations(KEY)) == 3
+
+
+def test_opening_leaves_the_locks_of_live_connections(tmp_path):
+    """Opening a second connection in one process (a profiling thread's) must not open the
+    file outside SQLite: closing that descriptor would drop the first's POSIX locks."""
+    import builtins
+
+    path = tmp_path / FILENAME
+    _real_store(path, 1)
+    opened = []
+    real_open = builtins.open
+
+    def recording(file, *args, **kwargs):
+        opened.append(str(file))
+        return real_open(file, *args, **kwargs)
+
+    with ProfileStore(path):
+        builtins.open = recording
+        try:
+            with ProfileStore(path) as second:
+                second.keys()
+        finally:
+            builtins.open = real_open
+    assert str(path) not in opened
+
+
 def test_old_schema_is_set_aside(tmp_path, caplog):
     path = tmp_path / FILENAME
     _real_store(path, 3)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -123,6 +123,24 @@ class Device(abc.ABC):
         """Time and energy of one execution of ``gm`` at the default clock (the first
         search clock), from its tensor metadata alone: None where the device can only
         measure by running the graph (a real GPU)."""
+        return None
+
+    def estimate_at(
+        self, gm: torch.fx.GraphModule, clocks: Sequence[int], world_size: int = 1
+    ) -> dict[int, Measurement] | None:
+        """:meth:`estimate` at each of ``clocks``: what the planner costs a whole graph with
+        (its compute outside the profiled partitions); None where the device cannot."""
+        return None
+
+    @property
+    def clock_switch_s(self) -> float:
+        """How long the GPU stalls when its clock changes (a plan pays it per switch)."""
+        return 0.0
+
+    @property
+    def power_limit_w(self) -> float | None:
+        """The board's power limit (Zeus's P_max for an energy-time trade-off); None where
+        unknown."""
         return None
 
     @abc.abstractmethod

@@ -789,6 +789,19 @@ class SimulatedGPU(Device):
         workload = Workload("estimate", gm, world_size=world_size)
         return self.measure(workload, self.search_clocks()[0])
 
+    def estimate_at(
+        self, gm: torch.fx.GraphModule, clocks: Sequence[int], world_size: int = 1
+    ) -> dict[int, Measurement]:
+        return self.sweep(Workload("estimate", gm, world_size=world_size), clocks)
+
+    @property
+    def clock_switch_s(self) -> float:
+        return self.spec.clock_switch_s
+
+    @property
+    def power_limit_w(self) -> float:
+        return self.spec.tdp_w
+
     def sweep(
         self,
         workload: Workload | GraphCost,

@@ -1,0 +1,287 @@
+"""``kareus show``: what a plan chose, or what a profile store holds, as a table and a plot.
+
+A plan (JSON) shows each graph's choice and the step's predicted cost against the baseline,
+and plots the step frontier it was chosen from beside the frequency-only one. A profile
+store (``profiles.sqlite``, or the directory holding it) shows one row per profile key and
+plots each key's evaluations with their (time, energy) frontier. Showing only reads: a
+store is checked read-only first, since opening a foreign or damaged file as a store would
+set it aside and start an empty one.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sqlite3
+from collections.abc import Sequence
+from pathlib import Path
+
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from rich.console import Console
+from rich.table import Table
+
+from kareus.errors import KareusError
+from kareus.planner.budget import Budget
+from kareus.planner.plan import Plan, PlanError
+from kareus.profiler.store import (
+    APPLICATION_ID,
+    FILENAME,
+    SCHEMA_VERSION,
+    Evaluation,
+    ProfileKey,
+    ProfileStore,
+)
+from kareus.reports import make_console
+
+MAX_PLOTS = 12  # subplots of a store's figure: more would be too small to read
+_SQLITE_HEADER = b"SQLite format 3\x00"
+_TAKES = "kareus show takes a plan JSON file, a profile store file or the directory holding one"
+
+
+class ShowError(KareusError, ValueError):
+    """What was given to show is missing, or neither a plan nor a profile store."""
+
+
+def show(
+    target: str | os.PathLike[str],
+    out: str | os.PathLike[str] | None = None,
+    console: Console | None = None,
+) -> Path:
+    """Print the table of a plan or a profile store and write its plot; returns the PNG path
+    (``out``, else ``<target stem>.png`` beside it, ``<dir>/profiles.png`` for a directory)."""
+    path = Path(target)
+    console = console or make_console()
+    store = _store_file(path)
+    png = Path(out) if out is not None else _default_png(path)
+    if store is None:
+        _show_plan(_read_plan(path), path, png, console)
+    else:
+        _show_store(store, png, console)
+    _print(console, f"wrote {png}")
+    return png
+
+
+# -- telling plan from store ----------------------------------------------------------------
+
+
+def _store_file(path: Path) -> Path | None:
+    """The store file ``path`` names (a directory holds it), or None for a plan file."""
+    if not path.exists():
+        raise ShowError(f"{path}: no such file or directory; {_TAKES}")
+    if path.is_dir():
+        store = path / FILENAME
+        if not store.is_file():
+            raise ShowError(f"{path}: the directory holds no {FILENAME}; {_TAKES}")
+        return store
+    try:
+        with open(path, "rb") as f:
+            header = f.read(len(_SQLITE_HEADER))
+    except OSError as exc:
+        raise ShowError(f"{path}: cannot read it ({exc})") from exc
+    return path if header == _SQLITE_HEADER else None
+
+
+def _default_png(path: Path) -> Path:
+    return path / "profiles.png" if path.is_dir() else path.with_suffix(".png")
+
+
+def _read_plan(path: Path) -> Plan:
+    """The plan in ``path``; a ``ShowError`` saying what else show takes if it is none."""
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ShowError(f"{path}: cannot read it as a plan ({exc}); {_TAKES}") from exc
+    try:
+        return Plan.from_json(text, str(path))
+    except PlanError as exc:
+        raise ShowError(f"{exc}; {_TAKES}") from exc
+
+
+def _check_store(path: Path) -> None:
+    """Refuse a SQLite file that is no current kareus store, reading it read-only:
+    ``ProfileStore`` would set such a file aside and start an empty store in its place."""
+    try:
+        conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+        try:
+            app_id = conn.execute("PRAGMA application_id").fetchone()[0]
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+        finally:
+            conn.close()
+    except sqlite3.Error as exc:
+        raise ShowError(f"{path}: cannot read the SQLite file ({exc})") from exc
+    if app_id != APPLICATION_ID:
+        raise ShowError(f"{path} is a SQLite database but not a kareus profile store")
+    if version != SCHEMA_VERSION:
+        raise ShowError(
+            f"{path}: profile store schema {version}; this kareus reads schema {SCHEMA_VERSION}"
+        )
+
+
+# -- a plan ---------------------------------------------------------------------------------
+
+
+def _show_plan(plan: Plan, path: Path, png: Path, console: Console) -> None:
+    _print(console, f"plan {path}: {len(plan.graphs)} graphs")
+    console.print(_plan_table(plan))
+    for line in _plan_summary(plan):
+        _print(console, line)
+    _save(_plan_figure(plan), png)
+
+
+def _plan_table(plan: Plan) -> Table:
+    table = Table()
+    for name in ("graph", "k", "clock MHz", "slots", "resources", "time ms", "eff. energy mJ"):
+        table.add_column(name, justify="left" if name == "graph" else "right")
+    for g in plan.graphs:
+        table.add_row(
+            g.label, str(g.nanobatches), str(g.clock_mhz), ", ".join(map(str, g.slots)),
+            ", ".join("default" if r is None else str(r) for r in g.resources),
+            _num(g.time_s * 1e3), _num(g.effective_energy_j * 1e3),
+        )
+    return table
+
+
+def _plan_summary(plan: Plan) -> list[str]:
+    p, b = plan.predicted, plan.baseline
+    model = f", model {plan.model_version}" if plan.model_version else ""
+    return [
+        (f"predicted step: {_num(p.time_s * 1e3)} ms, {_num(p.energy_j)} J; baseline "
+         f"{_num(b.time_s * 1e3)} ms, {_num(b.energy_j)} J: time {_ratio(p.time_s, b.time_s)}, "
+         f"energy {_ratio(p.energy_j, b.energy_j)} of the baseline"),
+        (f"budget: {_budget_text(plan.budget)}; frontier {len(plan.frontier)} points, "
+         f"frequency-only {len(plan.frequency_only)}"),
+        (f"device: {plan.device}{model}, static power {_num(plan.static_power_w)} W; "
+         f"kareus {plan.kareus_version}"),
+    ]
+
+
+def _budget_text(budget: Budget) -> str:
+    if budget.kind == "fastest":
+        return "fastest"
+    if budget.kind == "tradeoff":
+        return f"energy-time tradeoff, eta {budget.value:g}"
+    unit = "J" if budget.kind == "energy" else "s"
+    limit = (f"{budget.fraction:g} of the baseline" if budget.fraction is not None
+             else f"{_num(budget.value)} {unit}")
+    return f"{budget.kind} <= {limit}"
+
+
+def _plan_figure(plan: Plan) -> Figure:
+    fig = Figure(figsize=(7, 5), layout="constrained")
+    ax = fig.subplots()
+
+    def curve(points: Sequence, **style: object) -> None:
+        ax.plot([q.time_s * 1e3 for q in points], [q.energy_j for q in points], **style)
+
+    curve(plan.frontier, marker="o", markersize=4, label="step frontier")
+    curve(plan.frequency_only, linestyle="--", marker=".", label="frequency only")
+    for cost, name, style in (
+        (plan.baseline, "baseline", {"marker": "s", "color": "black", "markersize": 8}),
+        (plan.predicted, "chosen", {"marker": "*", "color": "red", "markersize": 18}),
+    ):
+        curve([cost], linestyle="none", label=name, **style)
+        ax.annotate(name, (cost.time_s * 1e3, cost.energy_j), xytext=(8, 8),
+                    textcoords="offset points")
+    ax.set(xlabel="step time (ms)", ylabel="step energy (J)", title=f"plan on {plan.device}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return fig
+
+
+# -- a profile store ------------------------------------------------------------------------
+
+
+def _show_store(path: Path, png: Path, console: Console) -> None:
+    _check_store(path)
+    with ProfileStore(path) as store:
+        keys = store.keys()
+        profiles = [(key, store.evaluations(key)) for key in keys]
+    if not profiles:
+        raise ShowError(f"{path}: the profile store holds no profiles yet")
+    left_out = len(profiles) - MAX_PLOTS
+    plotted = f" (plotted the first {MAX_PLOTS}, {left_out} left out)" if left_out > 0 else ""
+    _print(console, f"profile store {path}: {len(profiles)} keys{plotted}")
+    console.print(_store_table(profiles))
+    _save(_store_figure(profiles[:MAX_PLOTS]), png)
+
+
+def _frontier(evaluations: Sequence[Evaluation]) -> list[Evaluation]:
+    """The evaluations no other is both faster and cheaper in energy than, fastest first."""
+    front: list[Evaluation] = []
+    for e in sorted(evaluations, key=lambda e: (e.measurement.time_s, e.measurement.energy_j)):
+        if not front or e.measurement.energy_j < front[-1].measurement.energy_j:
+            front.append(e)
+    return front
+
+
+def _store_table(profiles: list[tuple[ProfileKey, list[Evaluation]]]) -> Table:
+    table = Table()
+    for name in ("partition", "device", "group", "k", "evaluations", "frontier", "fastest",
+                 "least energy"):
+        table.add_column(name, justify="right" if name in ("group", "evaluations", "frontier")
+                         else "left")
+    for key, evaluations in profiles:
+        front = _frontier(evaluations)
+        counts = sorted({e.knobs.nanobatches for e in evaluations})
+        table.add_row(
+            key.partition_key[:12], key.device, str(key.group_size), ", ".join(map(str, counts)),
+            str(len(evaluations)), str(len(front)),
+            _point(front[0]) if front else "-",
+            _point(min(front, key=lambda e: e.measurement.energy_j)) if front else "-",
+        )
+    return table
+
+
+def _point(e: Evaluation) -> str:
+    m = e.measurement
+    return f"{_num(m.time_s * 1e3)} ms, {_num(m.energy_j * 1e3)} mJ @ {m.clock_mhz} MHz"
+
+
+def _store_figure(profiles: list[tuple[ProfileKey, list[Evaluation]]]) -> Figure:
+    cols = min(len(profiles), 3)
+    rows = math.ceil(len(profiles) / cols)
+    fig = Figure(figsize=(4.5 * cols, 3.5 * rows), layout="constrained")
+    grid = fig.subplots(rows, cols, squeeze=False).ravel()
+    for ax, (key, evaluations) in zip(grid, profiles):
+        _plot_profile(ax, key, evaluations)
+    for ax in grid[len(profiles):]:  # the last row's unused cells
+        ax.set_axis_off()
+    return fig
+
+
+def _plot_profile(ax: Axes, key: ProfileKey, evaluations: Sequence[Evaluation]) -> None:
+    def xy(points: Sequence[Evaluation]) -> tuple[list[float], list[float]]:
+        return ([e.measurement.time_s * 1e3 for e in points],
+                [e.measurement.energy_j * 1e3 for e in points])
+
+    ax.scatter(*xy(evaluations), s=12, alpha=0.5, label="evaluations")
+    ax.step(*xy(_frontier(evaluations)), where="post", color="red", marker="o", markersize=4,
+            label="frontier")
+    ax.set(xlabel="time (ms)", ylabel="energy (mJ)",
+           title=f"{key.partition_key[:12]} on {key.device}, group {key.group_size}")
+    ax.title.set_fontsize("small")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+
+
+# -- formatting and saving ------------------------------------------------------------------
+
+
+def _print(console: Console, line: str) -> None:
+    """A plain line: paths and labels may hold brackets rich would read as markup."""
+    console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def _save(fig: Figure, png: Path) -> None:
+    """Write ``fig``; a bare ``Figure`` needs no pyplot, no backend and no closing."""
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=120)
+
+
+def _num(x: float) -> str:
+    return f"{x:.4g}" if abs(x) < 1e4 else f"{x:,.0f}"
+
+
+def _ratio(value: float, baseline: float) -> str:
+    return f"{value / baseline:.3f}x"

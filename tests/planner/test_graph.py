@@ -1,0 +1,74 @@
+"""A graph's options from its profiled partitions and the device's cost of whole graphs."""
+
+import pytest
+import torch
+from conftest import analysed, tp_llama
+
+from kareus.passes.apply import apply
+from kareus.passes.decide import Decision
+from kareus.planner.compose import front
+from kareus.planner.graph import _partition_options, graph_options, variant_of
+from kareus.profiler.devices import SimulatedGPU
+from kareus.profiler.profile import Settings, profile_graph
+from kareus.profiler.store import ProfileStore
+
+
+@pytest.fixture
+def planned(fake_pg, tmp_path):
+    (g, analysis), _ = analysed(tp_llama(1), torch.randint(0, 256, (8, 16)))
+    gpu = SimulatedGPU("sim:a100-sxm4-40gb")
+    clocks = gpu.search_clocks()
+    with ProfileStore(cache_dir=tmp_path) as store:
+        profiles = profile_graph(analysis, 2, gpu, store, Settings(budget=10), prefix="fw")
+    costed = []
+
+    def cost(variant, at):
+        costed.append((variant, tuple(at)))
+        k = variant.nanobatches if variant else 1
+        return gpu.estimate_at(apply(g.gm, analysis, Decision(k, variant, 0)), at, 2)
+
+    options = graph_options(analysis, profiles, (1, 2), clocks, cost)
+    return g, analysis, gpu, profiles, options, costed
+
+
+def test_every_option_is_what_the_device_says_its_whole_graph_costs(planned):
+    g, analysis, gpu, _, options, _ = planned
+    assert options.options == tuple(front(options.options))  # a Pareto set, fastest first
+    for o in options.options:
+        c = o.choice
+        k = c.nanobatches
+        graph = apply(g.gm, analysis, Decision(k, variant_of(c), 0))
+        m = gpu.estimate_at(graph, [c.clock_mhz], 2)[c.clock_mhz]
+        assert (o.time_s, o.effective_energy_j) == (m.time_s, m.effective_energy_j)
+    # nothing unrewritten at some clock beats the frontier
+    for single in options.frequency_only:
+        assert any(o.time_s <= single.time_s and o.effective_energy_j <= single.effective_energy_j
+                   for o in options.options)
+    base = options.baseline
+    assert (base.choice.nanobatches, base.choice.clock_mhz) == (1, gpu.search_clocks()[0])
+
+
+def test_the_graph_is_costed_whole_only_at_the_default_variant_and_the_frontier(planned):
+    _, analysis, gpu, _, options, costed = planned
+    clocks = tuple(gpu.search_clocks())
+    sweeps = [v for v, at in costed if at == clocks]
+    assert sweeps == [None, analysis.space.default(2)]  # the rest is composed
+    assert len(costed) == 2 + len(front_candidates := [v for v, at in costed if len(at) == 1])
+    assert front_candidates and len(options.options) <= len(front_candidates)
+
+
+def test_a_partition_runs_k_times_and_its_group_shares_the_energy(planned):
+    _, analysis, gpu, profiles, _, _ = planned
+    parts = analysis.space.partitions(2)
+    index = next(i for i, p in enumerate(parts) if p.launch_slots > 1)
+    profile = next(p for p in profiles if p.key == parts[index].key)
+    options = _partition_options(parts[index], profiles, 2, gpu.search_clocks())
+    for point in profile.points:
+        sms = next(iter(dict(point.knobs.resources).values()), None)
+        (o,) = [o for o in options.get(point.knobs.clock_mhz, ())
+                if o.choice == (point.knobs.slot, sms)]
+        assert o.time_s == 2 * point.time_s
+        assert profile.group_size == 2  # the fake group: energies summed over 2 GPUs
+        assert o.effective_energy_j == pytest.approx(2 * point.effective_energy_j / 2)
+    # unmeasured clocks of a measured schedule are predicted, never left out alone
+    assert len(options) > len({p.knobs.clock_mhz for p in profile.points})

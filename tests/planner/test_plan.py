@@ -1,0 +1,76 @@
+"""The plan: made from graph options under a budget, written as JSON, read back, matched."""
+
+import json
+
+import pytest
+
+from kareus.planner.budget import Budget, BudgetError
+from kareus.planner.compose import GraphChoice, Option
+from kareus.planner.graph import GraphOptions
+from kareus.planner.plan import Plan, PlanError, make_plan
+from kareus.profiler.devices import SimulatedGPU
+
+
+def _graph(label, key, points):
+    options = tuple(Option(t, e, GraphChoice(k, f, parts)) for t, e, k, f, parts in points)
+    single = tuple(o for o in options if o.choice.nanobatches == 1)
+    return GraphOptions(label, key, options, single, single[0])
+
+
+FORWARD = _graph("r0/forward", "f" * 16, [
+    (1.0, 10.0, 1, 1410, ()), (1.2, 8.0, 1, 1200, ()), (1.1, 7.0, 2, 1410, ((1, None),)),
+])
+BACKWARD = _graph("r0/backward", "b" * 16, [
+    (2.0, 20.0, 1, 1410, ()), (2.5, 15.0, 1, 1200, ()), (2.2, 13.0, 2, 1200, ((0, 8),)),
+])
+
+
+@pytest.fixture
+def gpu():
+    return SimulatedGPU("sim:a100-sxm4-40gb")
+
+
+def test_a_plan_round_trips_through_json(gpu, tmp_path):
+    plan = make_plan([FORWARD, BACKWARD], Budget.parse(time_budget=1.2), gpu,
+                     {"nanobatches": "auto"}, "0.1.0")
+    loaded = Plan.load(plan.save(tmp_path / "plan.json"))
+    assert loaded == plan and loaded.digest == plan.digest
+    raw = json.loads((tmp_path / "plan.json").read_text())
+    assert raw["kareus_version"] == "0.1.0" and raw["device"] == gpu.identity
+    assert [g["graph_hash"] for g in raw["graphs"]] == ["f" * 16, "b" * 16]
+    # least energy within 1.2 x the baseline's time; a clock switch between the graphs
+    # costs what the device says
+    assert plan.predicted.time_s <= 1.2 * plan.baseline.time_s
+    assert {(g.nanobatches, g.clock_mhz) for g in plan.graphs} <= {(2, 1410), (2, 1200),
+                                                                    (1, 1200), (1, 1410)}
+    assert plan.predicted.energy_j == min(p.energy_j for p in plan.frontier
+                                          if p.time_s <= 1.2 * plan.baseline.time_s)
+
+
+def test_a_graph_is_matched_by_label_or_hash_and_refused_when_made_for_another(gpu):
+    plan = make_plan([FORWARD, BACKWARD], Budget("fastest"), gpu, {}, "0.1.0")
+    assert plan.match("r0/forward", "f" * 16, "forward").graph_hash == "f" * 16
+    assert plan.match("r7/backward", "b" * 16, "backward").label == "r0/backward"
+    assert plan.match("r0/inference", "i" * 16, "inference") is None
+    with pytest.raises(PlanError, match=r"made for another graph r0/forward: its hash is f+, "
+                       r"this graph \(r3/forward\)'s is x+"):
+        plan.match("r3/forward", "x" * 16, "forward")
+
+
+def test_an_unmet_budget_states_the_range(gpu):
+    with pytest.raises(BudgetError, match=r"the plans reach [\d.]+ to [\d.]+ J"):
+        make_plan([FORWARD, BACKWARD], Budget.parse(energy_budget="1 mJ"), gpu, {}, "0.1.0")
+
+
+@pytest.mark.parametrize("text, match", [
+    ("{", "not a kareus plan"),
+    ('{"schema": 99}', "plan schema 99; this kareus reads schema 1"),
+    ('{"schema": 1, "graphs": []}', "not a kareus plan"),
+])
+def test_a_damaged_plan_file_is_refused(tmp_path, text, match):
+    path = tmp_path / "plan.json"
+    path.write_text(text)
+    with pytest.raises(PlanError, match=match):
+        Plan.load(path)
+    with pytest.raises(PlanError, match="cannot read the plan"):
+        Plan.load(tmp_path / "missing.json")

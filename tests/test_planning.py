@@ -1,0 +1,178 @@
+"""Planning in the backend (one process, fake process group, simulated GPU): the step's plan
+under a budget, the forward switching to it at its next call, the stored plan of a second
+run, the ``plan`` option, ``verify``."""
+
+import logging
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+import kareus
+from kareus.models.llama import Llama, LlamaConfig, parallelize_llama
+from kareus.passes.reasons import ReasonKind
+from kareus.planner.plan import Plan
+from kareus.profiler import profile as profiling
+
+# Large enough that the modelled GPU trades time for energy (a smaller one is mostly static
+# power: its fastest plan is also its least-energy one).
+CONFIG = LlamaConfig(dim=512, n_layers=1, n_heads=8, ffn_dim=1536, max_seq_len=128)
+SEQ = 128
+
+
+def _model():
+    torch.manual_seed(0)
+    return parallelize_llama(Llama(CONFIG), init_device_mesh("cpu", (2,)))
+
+
+def _tokens(batch=8):
+    generator = torch.Generator().manual_seed(1)
+    return torch.randint(0, CONFIG.vocab_size, (batch, SEQ), generator=generator)
+
+
+def _train(options, steps=2, batch=8, backend=None):
+    """Losses and the clock switches the graphs asked for, and the backend."""
+    torch._dynamo.reset()
+    backend = backend or kareus.KareusBackend({"lowering": "eager", "device": "sim:h200",
+                                               "search_budget": 8, **options})
+    model = _model()
+    compiled = torch.compile(model, backend=backend)
+    recorder = kareus.RecordingClockController()
+    losses = []
+    with kareus.use_controller(recorder):
+        for _ in range(steps):
+            loss = compiled(_tokens(batch)).float().logsumexp(-1).mean()
+            loss.backward()
+            losses.append(loss.item())
+    return losses, [(s.graph, s.mhz) for s in recorder.switches], backend
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    calls = []
+    measure = profiling.measure_variant
+
+    def counting(*args, **kwargs):
+        calls.append(args[2])
+        return measure(*args, **kwargs)
+
+    monkeypatch.setattr(profiling, "measure_variant", counting)
+    return calls
+
+
+def test_the_step_plan_meets_its_budget_and_the_forward_switches_to_it(fake_pg, tmp_path):
+    _, _, fastest = _train({"nanobatches": "auto", "cache_dir": str(tmp_path / "a")}, steps=1)
+    baseline = fastest.planner.plan.baseline
+    assert fastest.planner.plan.predicted.time_s <= baseline.time_s  # the default: fastest
+    # An absolute time budget: the forward alone cannot tell its share, so it starts at the
+    # fastest choice, and runs the step plan's from its next call.
+    budget_ms = 1.2e3 * baseline.time_s
+    losses, switches, backend = _train(
+        {"nanobatches": "auto", "cache_dir": str(tmp_path / "b"), "time_budget": f"{budget_ms} ms"},
+        steps=3,
+    )
+    plan = kareus.current_plan()
+    assert plan is backend.planner.plan and plan.budget.kind == "time"
+    assert plan.predicted.time_s <= budget_ms / 1e3
+    assert plan.predicted.energy_j < baseline.energy_j  # slower, for less energy
+    clock = {g.label: (0 if g.clock_mhz == 1980 else g.clock_mhz) for g in plan.graphs}
+    fw, bw = (g.label for g in plan.graphs)
+    assert switches[:2] == [(fw, 0), (bw, clock[bw])]  # the forward started provisionally
+    assert switches[2:] == [(fw, clock[fw]), (bw, clock[bw])] * 2
+    reports = {r.label: r for r in backend.reports()}
+    assert reports[fw].clock_mhz == clock[fw] and reports[bw].clock_mhz == clock[bw]
+    reference, _, _ = _train({"profile": "off"}, steps=3)
+    assert losses == pytest.approx(reference, rel=1e-5)
+
+
+def test_a_second_run_profiles_nothing_and_compiles_only_what_runs(fake_pg, tmp_path,
+                                                                 counted, monkeypatch):
+    from kareus import backend as backend_module
+
+    options = {"nanobatches": "auto", "cache_dir": str(tmp_path), "time_budget": 1.3}
+    _train(options)
+    assert counted  # the first run measured
+    first = kareus.current_plan()
+    counted.clear()
+    lowered = []
+    lower = backend_module.lower
+
+    def counting(gm, inputs, lowering, **kwargs):
+        lowered.append(gm)
+        return lower(gm, inputs, lowering, **kwargs)
+
+    monkeypatch.setattr(backend_module, "lower", counting)
+    _, _, backend = _train(options)
+    assert counted == []
+    assert len(lowered) == 2  # the forward and the backward, each once: no switch
+    second = backend.planner.plan
+    assert [(g.graph_hash, g.choice) for g in second.graphs] == [
+        (g.graph_hash, g.choice) for g in first.graphs
+    ] and second.predicted == first.predicted
+    assert all("(the stored plan)" in r.notes[-1] or "(the plan)" in r.notes[-1]
+               for r in backend.reports())
+
+
+def test_the_plan_option_runs_a_saved_plan_and_refuses_one_for_other_graphs(
+    fake_pg, tmp_path, counted
+):
+    _train({"nanobatches": "auto", "cache_dir": str(tmp_path / "made"), "energy_budget": 0.97})
+    path = kareus.current_plan().save(tmp_path / "plan.json")
+    made = Plan.load(path)
+    counted.clear()
+    _, _, backend = _train({"plan": str(path), "cache_dir": str(tmp_path / "other")})
+    assert counted == []  # nothing profiled: the plan says what runs
+    assert kareus.current_plan() == made
+    runs = {(r.key, r.nanobatches, r.clock_mhz if r.clock_mhz else 1980)
+            for r in backend.reports()}
+    assert runs == {(g.graph_hash, g.nanobatches, g.clock_mhz) for g in made.graphs}
+    with pytest.raises(Exception, match=r"the plan was made for another graph r\d+/forward: its"
+                       r" hash is \w+, this graph \(r\d+/forward\)'s is \w+"):
+        _train({"plan": str(path)}, batch=4)  # other shapes: other graphs
+    (tmp_path / "bad.json").write_text('{"schema": 1}')
+    with pytest.raises(kareus.KareusError, match="bad.json: not a kareus plan"):
+        kareus.KareusBackend({"plan": str(tmp_path / "bad.json")})
+
+
+def test_a_budget_no_plan_meets_says_what_the_plans_reach(fake_pg, tmp_path):
+    with pytest.raises(Exception, match=r"no plan meets the energy budget 0.01 of the "
+                       r"baseline's .* J per step: the plans reach .* to .* J"):
+        _train({"nanobatches": "auto", "cache_dir": str(tmp_path), "energy_budget": 0.01})
+
+
+def test_verify_runs_a_wrong_rewrite_unrewritten(fake_pg, tmp_path, monkeypatch, caplog):
+    from kareus import backend as backend_module
+
+    apply = backend_module.apply
+
+    def wrong(gm, analysis, decision, **kwargs):
+        new = apply(gm, analysis, decision, **kwargs)
+        if decision.variant is not None and analysis.kind == "forward":
+            output = next(iter(new.graph.find_nodes(op="output")))
+            first = output.args[0][0]
+            with new.graph.inserting_before(output):
+                doubled = new.graph.call_function(torch.ops.aten.mul.Tensor, (first, 2.0))
+            output.args = ((doubled, *output.args[0][1:]),)
+            new.recompile()
+        return new
+
+    monkeypatch.setattr(backend_module, "apply", wrong)
+    options = {"nanobatches": 2, "profile": "off", "verify": True}
+    with caplog.at_level(logging.ERROR, logger="kareus"):
+        losses, _, backend = _train(options, steps=2)
+    reference, _, _ = _train({"profile": "off"}, steps=2)
+    assert losses == pytest.approx(reference, rel=1e-5)  # the wrong rewrite never counted
+    forward = next(r for r in backend.reports() if r.kind == "forward")
+    assert forward.fallback.kind is ReasonKind.VERIFY_FAILED
+    assert "differs from the unrewritten graph: output 0" in forward.fallback.detail
+    assert any("verify" in r.getMessage() for r in caplog.records)
+    backward = next(r for r in backend.reports() if r.kind == "backward")
+    assert backward.fallback is None and backward.nanobatches == 2  # checked and right
+
+
+def test_budget_options_are_checked_before_any_graph(fake_pg):
+    with pytest.raises(kareus.KareusOptionError, match="give one budget"):
+        kareus.KareusBackend({"energy_budget": 0.9, "time_budget": "1 s"})
+    with pytest.raises(kareus.KareusOptionError, match="'time_budget': got '1 h'"):
+        kareus.KareusBackend({"time_budget": "1 h"})
+    assert kareus.KareusOptions.from_dict({"energy_budget": "350 J"}).budget.value == 350.0

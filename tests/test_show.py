@@ -1,0 +1,177 @@
+"""``kareus show`` prints what a plan chose or a profile store holds, and plots it."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+import pytest
+from rich.console import Console
+
+from kareus import KareusError
+from kareus.planner.budget import Budget
+from kareus.planner.plan import GraphPlan, Plan, StepCost
+from kareus.profiler.devices.base import Measurement
+from kareus.profiler.store import FILENAME, Knobs, ProfileKey, ProfileStore
+from kareus.show import ShowError, show
+
+PNG_SIGNATURE = b"\x89PNG"
+
+KEY_A = ProfileKey("3f" * 32, "sim:h200", "sim-v2", (1980, 1500, 1200), 2, "0.1.0")
+KEY_B = ProfileKey("a7" * 32, "sim:h200", "sim-v2", (1980, 1500, 1200), 4, "0.1.0")
+
+# (time ms, energy mJ, clock): the third is slower and costlier than the second, so three
+# of the four are on the frontier.
+POINTS_A = [(1.0, 5.0, 1980), (2.0, 3.0, 1500), (3.0, 4.0, 1500), (4.0, 1.0, 1200)]
+
+
+def console() -> Console:
+    return Console(record=True, width=200)
+
+
+def knobs(slot: int, clock_mhz: int, nanobatches: int = 2) -> Knobs:
+    return Knobs(slot, (("all_reduce_3", 16),), clock_mhz, nanobatches)
+
+
+def measurement(time_ms: float, energy_mj: float, clock_mhz: int) -> Measurement:
+    return Measurement(time_ms * 1e-3, energy_mj * 1e-3, 110.5, clock_mhz, "simulated")
+
+
+def make_plan() -> Plan:
+    graphs = (
+        GraphPlan("region0/forward", "h" * 16, 2, 1410, (1,), (16,), 4e-3, 0.5),
+        GraphPlan("region0/backward", "g" * 16, 1, 1980, (0,), (None,), 8e-3, 1.25),
+    )
+    return Plan(
+        graphs=graphs,
+        predicted=StepCost(0.0125, 2.5),
+        baseline=StepCost(0.012, 3.2),
+        frontier=(StepCost(0.0118, 3.4), StepCost(0.0125, 2.5), StepCost(0.015, 2.1)),
+        frequency_only=(StepCost(0.012, 3.2), StepCost(0.014, 2.9)),
+        budget=Budget("energy", fraction=0.8),
+        device="sim:h200",
+        model_version="sim-v2",
+        static_power_w=110.5,
+        options={"energy_budget": 0.8},
+        kareus_version="0.1.0",
+    )
+
+
+@pytest.fixture
+def store_file(tmp_path):
+    path = tmp_path / FILENAME
+    with ProfileStore(path) as store:
+        for slot, (t, e, clock) in enumerate(POINTS_A):
+            store.record(KEY_A, knobs(slot, clock), measurement(t, e, clock))
+        store.record(KEY_B, knobs(0, 1980, 1), measurement(2.0, 9.0, 1980))
+        store.record(KEY_B, knobs(0, 1500, 2), measurement(2.5, 8.0, 1500))
+    return path
+
+
+def assert_png(path) -> None:
+    assert path.is_file()
+    assert path.read_bytes().startswith(PNG_SIGNATURE)
+
+
+def row(text: str, prefix: str) -> list[str]:
+    """The cells of the table row starting with ``prefix``."""
+    line = next(line for line in text.splitlines() if prefix in line)
+    return [cell.strip() for cell in line.split("│")[1:-1]]
+
+
+# -- a plan ---------------------------------------------------------------------------------
+
+
+def test_plan_table_summary_and_plot(tmp_path):
+    path = make_plan().save(tmp_path / "plan.json")
+    out = console()
+    png = show(path, console=out)
+    assert png == tmp_path / "plan.png"
+    assert_png(png)
+    text = out.export_text()
+    assert row(text, "region0/forward")[:5] == ["region0/forward", "2", "1410", "1", "16"]
+    assert row(text, "region0/backward")[:5] == ["region0/backward", "1", "1980", "0", "default"]
+    assert "time 1.042x, energy 0.781x of the baseline" in text  # 12.5/12 ms, 2.5/3.2 J
+    assert "energy <= 0.8 of the baseline" in text
+    assert "sim:h200" in text
+    assert text.rstrip().endswith(f"wrote {png}")
+
+
+def test_plan_to_a_given_png(tmp_path):
+    path = make_plan().save(tmp_path / "plan.json")
+    png = show(str(path), out=tmp_path / "figures" / "chosen.png", console=console())
+    assert png == tmp_path / "figures" / "chosen.png"
+    assert_png(png)
+
+
+# -- a profile store ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("given", ["directory", "file"])
+def test_store_table_and_plot(tmp_path, store_file, given):
+    out = console()
+    png = show(tmp_path if given == "directory" else store_file, console=out)
+    assert png == tmp_path / "profiles.png"
+    assert_png(png)
+    text = out.export_text()
+    assert "2 keys" in text and "left out" not in text
+    # partition, device, group, k, evaluations, frontier, fastest, least energy
+    assert row(text, "3f" * 6) == [
+        "3f" * 6, "sim:h200", "2", "2", "4", "3",
+        "1 ms, 5 mJ @ 1980 MHz", "4 ms, 1 mJ @ 1200 MHz",
+    ]
+    assert row(text, "a7" * 6)[:6] == ["a7" * 6, "sim:h200", "4", "1, 2", "2", "2"]
+
+
+def test_store_says_how_many_keys_are_not_plotted(tmp_path, store_file, monkeypatch):
+    monkeypatch.setattr("kareus.show.MAX_PLOTS", 1)
+    out = console()
+    assert_png(show(store_file, console=out))
+    assert "2 keys (plotted the first 1, 1 left out)" in out.export_text()
+
+
+def test_empty_store_is_refused(tmp_path):
+    ProfileStore(tmp_path / FILENAME).close()
+    with pytest.raises(ShowError, match="holds no profiles"):
+        show(tmp_path, console=console())
+
+
+def test_foreign_sqlite_file_is_refused_and_kept(tmp_path):
+    path = tmp_path / "other.sqlite"
+    with sqlite3.connect(path) as conn:
+        conn.execute("CREATE TABLE t (x)")
+    with pytest.raises(ShowError, match="not a kareus profile store"):
+        show(path, console=console())
+    assert [p.name for p in tmp_path.iterdir()] == ["other.sqlite"]  # not set aside
+
+
+# -- errors ---------------------------------------------------------------------------------
+
+
+def test_missing_path(tmp_path):
+    with pytest.raises(KareusError, match="no such file or directory") as info:
+        show(tmp_path / "nothing.json", console=console())
+    assert str(tmp_path / "nothing.json") in str(info.value)
+
+
+def test_json_that_is_not_a_plan(tmp_path):
+    path = tmp_path / "other.json"
+    path.write_text(json.dumps({"x": 1}))
+    with pytest.raises(KareusError) as info:
+        show(path, console=console())
+    assert isinstance(info.value, ShowError)
+    assert str(path) in str(info.value) and "\n" not in str(info.value)
+
+
+def test_binary_file_that_is_neither(tmp_path):
+    path = tmp_path / "blob.bin"
+    path.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(ShowError, match="cannot read it as a plan"):
+        show(path, console=console())
+
+
+def test_directory_without_a_store_creates_none(tmp_path):
+    with pytest.raises(ShowError, match=f"holds no {FILENAME}") as info:
+        show(tmp_path, console=console())
+    assert str(tmp_path) in str(info.value)
+    assert list(tmp_path.iterdir()) == []
