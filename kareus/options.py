@@ -121,6 +121,15 @@ class KareusOptions:
             "eta); without any budget: the least energy no slower than the fastest plan",
         },
     )
+    microbatches: int = dataclasses.field(
+        default=1,
+        metadata={
+            "validate": lambda value: _count_problem(value),
+            "accepted": "an integer >= 1",
+            "doc": "forward and backward passes per optimizer step (gradient accumulation): "
+            "a budget given per step is met by that many of them",
+        },
+    )
     plan: str | None = dataclasses.field(
         default=None,
         metadata={

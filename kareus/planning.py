@@ -108,7 +108,7 @@ class StepPlanner:
                         key=lambda g: (order[g.kind], g.region if g.kind != "backward"
                                        else -g.region))
         return make_plan([g.options for g in graphs], self.budget, self.device, self.options,
-                         self.kareus_version)
+                         self.kareus_version, self.options.get("microbatches", 1))
 
     def adopt(self, plan: Plan, store: bool = True) -> None:
         """Run ``plan`` from now on (and store it for the next run)."""

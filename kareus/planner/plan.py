@@ -156,10 +156,12 @@ def make_plan(
     device: Device,
     options: Mapping[str, Any],
     kareus_version: str,
+    microbatches: int = 1,
 ) -> Plan:
-    """The step's plan: the frontier of running ``graphs`` in order (clock switches priced
-    by the device), the point ``budget`` asks for (a ``BudgetError`` stating the range
-    where none meets it), the baseline and the frequency-only frontier beside it."""
+    """The step's plan: the frontier of running ``graphs`` in order ``microbatches`` times
+    (gradient accumulation; clock switches priced by the device), the point ``budget``
+    asks for (a ``BudgetError`` stating the range where none meets it), the baseline and
+    the frequency-only frontier beside it."""
     static_w = device.static_power_w
 
     def switch(a: GraphChoice, b: GraphChoice) -> tuple[float, float]:
@@ -167,12 +169,12 @@ def make_plan(
         return (device.clock_switch_s if a.clock_mhz != b.clock_mhz else 0.0), 0.0
 
     def frontier(per_graph: Sequence[Sequence]) -> list[StepPoint]:
-        return step_frontier(per_graph, static_power_w=static_w, switch=switch,
-                             switch_key=lambda c: c.clock_mhz)
+        return step_frontier(per_graph, repeats=microbatches, static_power_w=static_w,
+                             switch=switch, switch_key=lambda c: c.clock_mhz)
 
     step = frontier([g.options for g in graphs])
-    base_time = sum(g.baseline.time_s for g in graphs)
-    base_effective = sum(g.baseline.effective_energy_j for g in graphs)
+    base_time = microbatches * sum(g.baseline.time_s for g in graphs)
+    base_effective = microbatches * sum(g.baseline.effective_energy_j for g in graphs)
     baseline = StepPoint(base_time, base_effective + static_w * base_time, base_effective,
                          tuple(g.baseline.choice for g in graphs))
     chosen = choose(step, baseline, budget, device.power_limit_w or 0.0)

@@ -57,6 +57,18 @@ def test_a_graph_is_matched_by_label_or_hash_and_refused_when_made_for_another(g
         plan.match("r3/forward", "x" * 16, "forward")
 
 
+def test_a_budget_per_step_is_met_by_every_accumulated_microbatch(gpu):
+    one = make_plan([FORWARD, BACKWARD], Budget("fastest"), gpu, {}, "0.1.0")
+    four = make_plan([FORWARD, BACKWARD], Budget.parse(time_budget="14 s"), gpu, {}, "0.1.0",
+                     microbatches=4)
+    assert four.baseline.time_s == pytest.approx(4 * one.baseline.time_s)
+    assert four.predicted.time_s <= 14.0  # here the fastest: static power dominates
+    assert four.predicted.energy_j == pytest.approx(4 * one.predicted.energy_j)
+    with pytest.raises(BudgetError, match="time budget 10 s per step"):
+        make_plan([FORWARD, BACKWARD], Budget.parse(time_budget="10 s"), gpu, {}, "0.1.0",
+                  microbatches=4)
+
+
 def test_an_unmet_budget_states_the_range(gpu):
     with pytest.raises(BudgetError, match=r"the plans reach [\d.]+ to [\d.]+ J"):
         make_plan([FORWARD, BACKWARD], Budget.parse(energy_budget="1 mJ"), gpu, {}, "0.1.0")
