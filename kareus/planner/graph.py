@@ -66,12 +66,15 @@ def graph_options(
         (1, f): (Option(m.time_s, m.effective_energy_j), [])
         for f, m in unrewritten.items() if 1 in counts
     }
+    known = {(1, ()): unrewritten}
     for k in counts:
         if k == 1 or k not in analysis.space.nanobatches:
             continue
-        whole = cost(analysis.space.default(k), clocks)
+        default = analysis.space.default(k)
+        whole = cost(default, clocks)
         if whole is None:
             continue
+        known[(k, tuple(zip(default.slots, default.resources, strict=True)))] = whole
         per_clock = [_partition_options(p, profiles, k, clocks)
                      for p in analysis.space.partitions(k)]
         for f, m in whole.items():
@@ -84,22 +87,32 @@ def graph_options(
                              m.effective_energy_j - sum(o.effective_energy_j for o in share))
             variants[(k, f)] = (outside, parts)
     return GraphOptions(
-        analysis.label, analysis.key, tuple(_costed(graph_frontier(variants), cost)),
+        analysis.label, analysis.key, tuple(_costed(graph_frontier(variants), cost, known)),
         tuple(front(single)),
         Option(unrewritten[clocks[0]].time_s, unrewritten[clocks[0]].effective_energy_j,
                GraphChoice(1, clocks[0], ())),
     )
 
 
-def _costed(options: Sequence[Option], cost: GraphCost) -> list[Option]:
+def _costed(
+    options: Sequence[Option], cost: GraphCost, known: dict[tuple, dict[int, Measurement]]
+) -> list[Option]:
     """The composed frontier, each point replaced by what the device says its whole graph
-    costs. Composition finds the candidates; its error (clocks a partition was not measured
-    at are predicted, and the rest is a difference) would otherwise bias the choice towards
-    points predicted too low: up to 20% of effective energy on a TP2 Llama layer."""
+    costs (one call per distinct variant, at its clocks). Composition finds the candidates;
+    its error (clocks a partition was not measured at are predicted, and the rest is a
+    difference) would otherwise bias the choice towards points predicted too low: up to
+    20% of effective energy on a TP2 Llama layer. ``known``: variants costed at every
+    clock already, by (k, partition choices)."""
+    clocks: dict[tuple, list[int]] = {}
+    for o in options:
+        clocks.setdefault((o.choice.nanobatches, o.choice.partitions), []).append(
+            o.choice.clock_mhz)
+    costs = {key: known.get(key) or cost(variant_of(GraphChoice(key[0], 0, key[1])), at)
+             for key, at in clocks.items()}
     costed = []
     for o in options:
         c = o.choice
-        m = cost(variant_of(c), (c.clock_mhz,))
+        m = costs[(c.nanobatches, c.partitions)]
         costed.append(o if m is None else
                       Option(m[c.clock_mhz].time_s, m[c.clock_mhz].effective_energy_j, c))
     return front(costed)
