@@ -182,7 +182,7 @@ class KareusBackend:
         compiled, decision = self._agreed(gm, analysis, decision, compile_key)
         if choice is not None and decision.variant is None and choice.nanobatches > 1:
             choice = GraphChoice(1, choice.clock_mhz, ())  # the ranks fell back
-        estimate, estimate_note = self._estimate(compiled, analysis.label)
+        estimate, estimate_note = self._estimate(compiled, analysis.label, decision.clock_mhz)
         report = GraphReport.build(
             analysis, decision, lowering=self.options.lowering, device=self.device.name,
             estimate=estimate,
@@ -495,13 +495,17 @@ class KareusBackend:
         return apply(gm, analysis, decision, groups=groups)
 
     def _estimate(
-        self, gm: torch.fx.GraphModule, label: str
+        self, gm: torch.fx.GraphModule, label: str, clock_mhz: int = DEFAULT_CLOCK_MHZ
     ) -> tuple[Measurement | None, str | None]:
-        """Modelled time and energy at the default clock where the device can tell at
-        compile time, or why the graph could not be costed: an estimate never fails a compile."""
+        """Modelled time and energy at the graph's clock (measured there, so its own clock
+        switch stalls nothing) where the device can tell at compile time, or why the graph
+        could not be costed: an estimate never fails a compile."""
         device = self.device
         world = dist.get_world_size() if dist.is_initialized() else 1
         try:
+            if clock_mhz != DEFAULT_CLOCK_MHZ:
+                costs = device.estimate_at(gm, [clock_mhz], world)
+                return (costs[clock_mhz] if costs else None), None
             return device.estimate(gm, world), None
         except Exception as exc:  # noqa: BLE001 - any model failure is reported, not raised
             log.warning("%s: %s cannot cost this graph: %s", label, device.name, exc)

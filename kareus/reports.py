@@ -84,7 +84,7 @@ class GraphReport:
     partitions: tuple[PartitionReport, ...]
     notes: tuple[str, ...]
     device: str
-    estimate: Measurement | None  # modelled at the default clock (simulated devices only)
+    estimate: Measurement | None  # modelled at its clock (simulated devices only)
     requested: int  # the nanobatch count asked for
     nanobatches: int  # the count actually applied (1: unrewritten)
     fallback: Reason | None  # why the requested count did not apply (None: it did)

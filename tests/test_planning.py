@@ -76,11 +76,17 @@ def test_the_step_plan_meets_its_budget_and_the_forward_switches_to_it(fake_pg, 
     assert plan.predicted.time_s <= budget_ms / 1e3
     assert plan.predicted.energy_j < baseline.energy_j  # slower, for less energy
     clock = {g.label: (0 if g.clock_mhz == 1980 else g.clock_mhz) for g in plan.graphs}
+    _, backward = plan.graphs
     fw, bw = (g.label for g in plan.graphs)
     assert switches[:2] == [(fw, 0), (bw, clock[bw])]  # the forward started provisionally
     assert switches[2:] == [(fw, clock[fw]), (bw, clock[bw])] * 2
     reports = {r.label: r for r in backend.reports()}
     assert reports[fw].clock_mhz == clock[fw] and reports[bw].clock_mhz == clock[bw]
+    # the backward, compiled with the plan, is estimated at its clock as the plan costed it
+    # (measured from the default clock, its entry's switch would add a stall)
+    estimate = reports[bw].estimate
+    assert estimate.clock_mhz == backward.clock_mhz
+    assert estimate.time_s == pytest.approx(backward.time_s, rel=1e-9)
     reference, _, _ = _train({"profile": "off"}, steps=3)
     assert losses == pytest.approx(reference, rel=1e-5)
 
