@@ -17,7 +17,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -170,7 +170,3 @@ class SelectableGraph:
             return outputs
         return self._run(args)
 
-
-def with_choice(report: Any, choice: GraphChoice, variant: Any, clock_mhz: int) -> Any:
-    """A graph report updated to the choice that runs."""
-    return replace(report, nanobatches=choice.nanobatches, variant=variant, clock_mhz=clock_mhz)
