@@ -97,11 +97,12 @@ class KareusBackend:
         protocol: Protocol | None = None,
     ) -> None:
         self.options = KareusOptions.from_dict(options)
+        # A chooser or clock given in code is the policy: only the default one is planned.
+        self._default_policy = chooser is earliest_slots and clock_mhz is None
+        self.options.check_planning(policy_in_code=not self._default_policy)
         kwargs = {} if clock_mhz is None else {"clock_mhz": clock_mhz}
         requested = self.options.nanobatches
         self.policy = Policy(1 if requested == "auto" else requested, chooser, **kwargs)
-        # A chooser or clock given in code is the policy: only the default one is planned.
-        self._plans = chooser is earliest_slots and clock_mhz is None
         self._given_plan = Plan.load(self.options.plan) if self.options.plan else None
         self._planner: StepPlanner | None = None
         self.runtime = process_runtime()
@@ -219,7 +220,7 @@ class KareusBackend:
         given in code, and something to choose (a nanobatch count other than 1, or a
         budget: with one count and no budget, nothing is asked of the plan)."""
         options = self.options
-        return (self._plans and self._given_plan is None and options.profile != "off"
+        return (self._default_policy and self._given_plan is None and options.profile != "off"
                 and (options.nanobatches != 1 or options.budget.kind != "fastest"))
 
     def _planned(self, analysis: GraphAnalysis) -> tuple[GraphChoice | None, str]:
@@ -266,10 +267,10 @@ class KareusBackend:
             log.warning("%s: not planned: %s: %s", analysis.label, type(exc).__name__, exc)
             return None, f"not planned: {type(exc).__name__}: {exc}"
         if graph is None:
-            return None, (
-                f"not planned: {device.name} cannot cost a whole graph without running it; "
-                "runs as the options say at the default clock"
-            )
+            why = (f"not planned: {device.name} cannot cost a whole graph without running it; "
+                   "runs as the options say at the default clock")
+            log.warning("%s: %s", analysis.label, why)  # the budget asked for goes unmet
+            return None, why
         if not graph.options:
             return None, "not planned: no variant of the graph could be costed at any clock"
         return graph, None
@@ -308,8 +309,9 @@ class KareusBackend:
         choice = compiled.choice or _choice_of(compiled.decision)
 
         def build(choice: GraphChoice, args: list[Any]) -> Callable[..., Any]:
-            graph = self._materialise(gm, analysis, self._decision(analysis, choice))
-            self._update_report(analysis.label, **_report_fields(self._decision(analysis, choice)))
+            decision = self._decision(analysis, choice)
+            graph = self._materialise(gm, analysis, decision)
+            self._update_report(analysis.label, **_report_fields(decision))
             # Compiled while the step runs, outside any compile's context (fake mode).
             with torch._guards.tracing(None):
                 return lower(graph, args, self.options.lowering, **kwargs)

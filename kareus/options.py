@@ -162,6 +162,26 @@ class KareusOptions:
         problem = _budget_problem(self.energy_budget, self.time_budget, self.energy_time_tradeoff)
         if problem:
             raise KareusOptionError(f"kareus options: {problem}")
+        self.check_planning()
+
+    def check_planning(self, policy_in_code: bool = False) -> None:
+        """Refuse what asks the plan for something no plan is made for: a budget or
+        ``nanobatches="auto"`` without profiling, beside a given plan, or beside a chooser
+        or clock given in code (``policy_in_code``), which replace the plan."""
+        asks = [name for name, given in (("a budget", self.budget.kind != "fastest"),
+                                         ('nanobatches="auto"', self.nanobatches == "auto"))
+                if given]
+        why = (
+            'profile="off" (planning needs the profiles)' if self.profile == "off"
+            else f"plan={self.plan!r} (it says what runs)" if self.plan is not None
+            else "a chooser or clock_mhz given in code (it replaces the plan)" if policy_in_code
+            else None
+        )
+        if asks and why:
+            raise KareusOptionError(
+                f"kareus options: {' and '.join(asks)} {'needs' if len(asks) == 1 else 'need'} "
+                f"a plan, and none is made with {why}"
+            )
 
     @property
     def budget(self) -> Budget:

@@ -182,3 +182,12 @@ def test_budget_options_are_checked_before_any_graph(fake_pg):
     with pytest.raises(kareus.KareusOptionError, match="'time_budget': got '1 h'"):
         kareus.KareusBackend({"time_budget": "1 h"})
     assert kareus.KareusOptions.from_dict({"energy_budget": "350 J"}).budget.value == 350.0
+    # what asks for a plan where none is made is refused, not ignored
+    with pytest.raises(kareus.KareusOptionError, match='a budget needs a plan, and none is '
+                       'made with profile="off"'):
+        kareus.KareusBackend({"energy_budget": 0.9, "profile": "off"})
+    with pytest.raises(kareus.KareusOptionError, match=r'a budget and nanobatches="auto" need '
+                       r"a plan, and none is made with plan='p.json'"):
+        kareus.KareusOptions(nanobatches="auto", time_budget=1.1, plan="p.json")
+    with pytest.raises(kareus.KareusOptionError, match="a chooser or clock_mhz given in code"):
+        kareus.KareusBackend({"nanobatches": "auto"}, clock_mhz=1200)
