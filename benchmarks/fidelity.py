@@ -36,12 +36,8 @@ from typing import Any
 import matplotlib
 import torch
 import torch.fx
-from rich.console import Console
-from rich.table import Table
-
-from kareus.profiler.devices import SimulatedGPU, Workload, preset_names
-from kareus.profiler.devices.calibration import POINTS, DataPoint
-from kareus.profiler.devices.probes import (
+from calibration import POINTS, DataPoint
+from probes import (
     attention,
     copy,
     fake_world,
@@ -49,6 +45,10 @@ from kareus.profiler.devices.probes import (
     predict,
     transformer_layer,
 )
+from rich.console import Console
+from rich.table import Table
+
+from kareus.devices import SimulatedGPU, Workload, preset_names
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # after choosing the backend

@@ -33,8 +33,8 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from kareus.profiler.devices import Measurement, SimulatedGPU, Workload
-from kareus.runtime.clock import DEFAULT_CLOCK_MHZ
+from kareus.devices import Measurement, SimulatedGPU, Workload
+from kareus.passes.ops import DEFAULT_CLOCK_MHZ
 
 MIN_WINDOW_S = 2.0
 WARMUP_RUNS = 3  # before measuring: cuBLAS handles and heuristics, allocator blocks
@@ -188,7 +188,7 @@ def predict(preset: str) -> dict[str, Measurement]:
 
 
 def measure_on_gpu() -> tuple[dict[str, Measurement], dict[str, object]]:
-    from kareus.profiler.devices.nvml import NvmlGPU
+    from kareus.devices.nvml.gpu import NvmlGPU
 
     results = {}
     with NvmlGPU(dry_run=True, min_window_s=MIN_WINDOW_S) as gpu:

@@ -22,12 +22,12 @@ from pathlib import Path
 
 import matplotlib
 from fidelity import sweep, workloads
+from probes import fake_world
 from rich.console import Console
 from rich.table import Table
 
-from kareus.profiler.devices import SimulatedGPU
-from kareus.profiler.devices.presets import HOPPER_KNEE_BOUNDS, PRESETS, GPUSpec
-from kareus.profiler.devices.probes import fake_world
+from kareus.devices import SimulatedGPU
+from kareus.devices.sim.presets import HOPPER_KNEE_BOUNDS, PRESETS, GPUSpec
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # after choosing the backend

@@ -42,8 +42,8 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch._inductor.compile_fx import compile_fx
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from kareus.codegen.apply import apply
 from kareus.passes.analyse import GraphAnalysis, analyse
-from kareus.passes.apply import apply
 from kareus.passes.decide import Decision
 
 

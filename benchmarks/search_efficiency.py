@@ -64,17 +64,17 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
+from probes import compiled_layer, fake_world
 from rich.console import Console
 from rich.table import Table
 
+from kareus.devices import SimulatedGPU
+from kareus.devices.base import Measurement
 from kareus.passes.analyse import GraphAnalysis, analyse
 from kareus.passes.collectives import find_collectives
 from kareus.passes.partition import Partition
 from kareus.passes.placement import PlacementResult
 from kareus.passes.variants import PartitionChoices
-from kareus.profiler.devices import SimulatedGPU
-from kareus.profiler.devices.base import Measurement
-from kareus.profiler.devices.probes import compiled_layer, fake_world
 from kareus.profiler.measure import Protocol
 from kareus.profiler.search import (
     EFFECTIVE,

@@ -6,18 +6,13 @@
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"  # first: the profile store keys its records by it
-
+from kareus.devices.base import ClockController, NullClockController, RecordingClockController
 from kareus.errors import KareusError
 from kareus.options import KareusOptionError, KareusOptions
 from kareus.passes.reasons import Reason, ReasonKind
 from kareus.reports import GraphReport
 from kareus.runtime import use_controller
-from kareus.runtime.clock import (
-    ClockController,
-    NullClockController,
-    RecordingClockController,
-)
+from kareus.version import __version__
 
 if TYPE_CHECKING:
     from kareus.backend import KareusBackend, clear_graph_reports, current_plan, graph_reports

@@ -23,19 +23,20 @@ import torch.distributed as dist
 import torch.fx
 from torch._inductor.compile_fx import compile_fx
 
+from kareus.codegen.apply import apply
 from kareus.codegen.lowering import lower, pinned_schedule_config
+from kareus.codegen.nanobatch import CannotRewrite
+from kareus.devices.base import Device, Measurement
 from kareus.options import KareusOptionError, KareusOptions
 from kareus.passes.analyse import ForwardInterfaces, GraphAnalysis, analyse
-from kareus.passes.apply import apply
 from kareus.passes.decide import Decision, Policy, VariantChooser, decide, earliest_slots
-from kareus.passes.nanobatch import CannotRewrite
+from kareus.passes.ops import DEFAULT_CLOCK_MHZ
 from kareus.passes.reasons import Reason, ReasonKind
 from kareus.passes.variants import Variant
 from kareus.planner.compose import GraphChoice
 from kareus.planner.graph import GraphOptions, graph_options, variant_of
 from kareus.planner.plan import Plan
-from kareus.planning import SelectableGraph, StepPlanner
-from kareus.profiler.devices.base import Device, Measurement
+from kareus.planner.step import SelectableGraph, StepPlanner
 from kareus.profiler.measure import Protocol
 from kareus.profiler.profile import PartitionProfile, Settings, profile_graph
 from kareus.profiler.progress import ProfilingProgress, summary_table
@@ -43,7 +44,6 @@ from kareus.profiler.store import ProfileStore, default_cache_dir
 from kareus.reports import GraphReport, make_console, print_report
 from kareus.runtime import process_runtime
 from kareus.runtime.agreement import agree
-from kareus.runtime.clock import DEFAULT_CLOCK_MHZ
 from kareus.verify import RandomState, outputs_mismatch
 
 log = logging.getLogger("kareus")

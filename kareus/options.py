@@ -218,7 +218,7 @@ class KareusOptions:
 
 
 def _device_problem(value: object) -> str | None:
-    from kareus.profiler.devices.resolve import spec_problem
+    from kareus.devices.resolve import spec_problem
 
     return spec_problem(value)
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from rich.console import Console
 from rich.table import Table
 
+from kareus.devices.base import Measurement
 from kareus.passes.analyse import GraphAnalysis
 from kareus.passes.collectives import Collective
 from kareus.passes.decide import Decision
@@ -20,7 +21,6 @@ from kareus.passes.partition import Slot
 from kareus.passes.placement import per_nanobatch
 from kareus.passes.reasons import Reason
 from kareus.passes.variants import Variant, VariantSpace
-from kareus.profiler.devices.base import Measurement
 from kareus.profiler.profile import PartitionProfile
 
 

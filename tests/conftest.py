@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +19,10 @@ import kareus
 from kareus.models.llama import Llama, LlamaConfig, parallelize_llama
 from kareus.passes.analyse import GraphAnalysis, analyse
 from kareus.runtime import process_runtime
+
+# The fidelity benchmark's calibration points and probes, which tests read too
+# (benchmarks/ is not a package).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 
 def init_fake_pg(world_size: int) -> None:

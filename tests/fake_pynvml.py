@@ -27,7 +27,7 @@ _LOCKED_CHILD = """
 import signal, sys
 sys.path[:0] = [{tests!r}, {repo!r}]
 from fake_pynvml import FakeNvml
-from kareus.runtime.nvml_clock import NvmlClockController, no_event
+from kareus.devices.nvml.clock import NvmlClockController, no_event
 {before}
 fake = FakeNvml(state_file={state!r})
 fake.nvmlInit()
@@ -302,7 +302,7 @@ def opened(fake: FakeNvml | None = None) -> tuple[FakeNvml, FakeGpu]:
 def controller(fake: FakeNvml, handle: object, **kwargs: object):
     """An NVML clock controller of GPU 0 of ``fake`` that does not reset at exit (tests
     close it), waiting on no CUDA event unless ``event_factory`` is given."""
-    from kareus.runtime.nvml_clock import NvmlClockController, no_event
+    from kareus.devices.nvml.clock import NvmlClockController, no_event
 
     kwargs.setdefault("event_factory", no_event)
     return NvmlClockController(

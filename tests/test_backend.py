@@ -13,10 +13,10 @@ from torch.testing import FileCheck
 import kareus
 from kareus import KareusBackend, RecordingClockController, use_controller
 from kareus.backend import backend_for
-from kareus.passes.apply import apply
+from kareus.codegen.apply import apply
 from kareus.passes.decide import DecisionError, Policy, decide
+from kareus.passes.ops import SET_CLOCK
 from kareus.passes.variants import Variant
-from kareus.runtime.ops import set_clock
 
 
 def test_backend_name_resolves_in_a_fresh_process_without_importing_kareus():
@@ -53,7 +53,7 @@ def _ops(gm: torch.fx.GraphModule) -> list[str]:
     return [
         str(n.target)
         for n in gm.graph.nodes
-        if n.op == "call_function" and n.target is not set_clock
+        if n.op == "call_function" and n.target is not SET_CLOCK
     ]
 
 

@@ -7,8 +7,8 @@ from fake_pynvml import FakeNvml
 
 import kareus
 from kareus import KareusBackend
-from kareus.profiler.devices.errors import NvmlUnavailableError
-from kareus.profiler.devices.nvml import NvmlGPU
+from kareus.devices.errors import NvmlUnavailableError
+from kareus.devices.nvml.gpu import NvmlGPU
 
 pytestmark = pytest.mark.usefixtures("fresh_runtime")
 

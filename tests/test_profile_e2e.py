@@ -95,8 +95,8 @@ def _nvml_worker(rank, port, out_dir, cache_dir):
     from torch._subclasses.fake_tensor import FakeTensor
 
     import kareus
+    from kareus.devices.nvml.gpu import NvmlGPU
     from kareus.profiler import workloads
-    from kareus.profiler.devices.nvml import NvmlGPU
 
     real_inputs = []  # whether each input a variant got was a real tensor
     random_like = workloads._random_like

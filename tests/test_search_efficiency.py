@@ -9,8 +9,8 @@ import json
 import sys
 from pathlib import Path
 
-from kareus.profiler.devices.base import Measurement
-from kareus.profiler.devices.presets import MODEL_VERSION
+from kareus.devices.base import Measurement
+from kareus.devices.sim.presets import MODEL_VERSION
 from kareus.profiler.search import Config, Space, search
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))

@@ -9,9 +9,9 @@ import pytest
 from rich.console import Console
 
 from kareus import KareusError
+from kareus.devices.base import Measurement
 from kareus.planner.budget import Budget
 from kareus.planner.plan import GraphPlan, Plan, StepCost
-from kareus.profiler.devices.base import Measurement
 from kareus.profiler.store import FILENAME, Knobs, ProfileKey, ProfileStore
 from kareus.show import ShowError, show
 

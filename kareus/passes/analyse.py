@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from kareus.codegen.nanobatch import NanobatchRewrite
 from kareus.passes.collectives import Collective, find_collectives
 from kareus.passes.interface import (
     ForwardInterface,
@@ -23,7 +24,6 @@ from kareus.passes.interface import (
     forward_inputs,
     record_forward,
 )
-from kareus.passes.nanobatch import NanobatchRewrite
 from kareus.passes.ops import OP_TABLE, OpTable
 from kareus.passes.partition import GraphPartitioning, graph_hash, partition_graph
 from kareus.passes.placement import PlacementResult, Split, per_nanobatch, propagate

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 from kareus.errors import KareusError
 from kareus.passes.analyse import GraphAnalysis
+from kareus.passes.ops import DEFAULT_CLOCK_MHZ
 from kareus.passes.reasons import Reason
 from kareus.passes.variants import NANOBATCH_COUNTS, Variant, VariantError
-from kareus.runtime.clock import DEFAULT_CLOCK_MHZ
 
 VariantChooser = Callable[[GraphAnalysis, int], Variant]
 """Picks the variant of a graph for ``k`` nanobatches. It must return the same variant on

@@ -298,6 +298,21 @@ def _from_tags(target: object) -> OpFacts:
 OP_TABLE = OpTable(_ENTRIES)
 
 
+# kareus's own op. ``kareus::set_clock(graph, mhz)`` asks for an SM clock as a graph
+# starts (``codegen.clock_switch`` puts it there; the runtime registers what it does,
+# ``runtime.ops``; the simulated GPU reads it as a clock change). It returns nothing, so it
+# is declared side-effectful: FX dead-code elimination and Inductor's scheduler keep it.
+_KAREUS_OPS = torch.library.Library("kareus", "DEF")
+_KAREUS_OPS.define("set_clock(str graph, int mhz) -> ()")
+torch.library.register_fake("kareus::set_clock", lambda graph, mhz: None, lib=_KAREUS_OPS)
+SET_CLOCK = torch.ops.kareus.set_clock.default
+torch.fx.node.has_side_effect(SET_CLOCK)
+
+DEFAULT_CLOCK_MHZ = 0
+"""The clock a ``set_clock`` asks for to mean "the device's default clocks" (no lock): the
+one spelling of the default clock, in decisions, plans and every device."""
+
+
 def resize_args(node: torch.fx.Node, args: tuple, p: NodePlacement, k: int) -> tuple:
     """``node``'s arguments (already mapped to one nanobatch's values) with the shapes they
     spell out resized to one nanobatch, where its op has such arguments."""

@@ -21,10 +21,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kareus.devices.base import Measurement
 from kareus.passes.analyse import GraphAnalysis
 from kareus.passes.variants import PartitionChoices, Variant
 from kareus.planner.compose import GraphChoice, Option, front, graph_frontier
-from kareus.profiler.devices.base import Measurement
 from kareus.profiler.profile import PartitionProfile
 from kareus.profiler.search import Config, Point, complete
 

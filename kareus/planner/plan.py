@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kareus.devices.base import Device
 from kareus.errors import KareusError
 from kareus.planner.budget import Budget, choose
 from kareus.planner.compose import GraphChoice, StepPoint, step_frontier
 from kareus.planner.graph import GraphOptions
-from kareus.profiler.devices.base import Device
 
 PLAN_SCHEMA = 1
 

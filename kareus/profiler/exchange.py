@@ -38,8 +38,8 @@ from dataclasses import asdict, dataclass
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _get_default_store, _resolve_process_group
 
+from kareus.devices.base import Measurement
 from kareus.errors import KareusError
-from kareus.profiler.devices.base import Measurement
 from kareus.profiler.measure import group_measurement
 from kareus.profiler.search import Config, Point, SearchResult
 

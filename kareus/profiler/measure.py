@@ -22,9 +22,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from kareus.profiler.devices.base import Device, Measurement, Resources, Workload
-from kareus.profiler.devices.nvml import DEFAULT_SETTLE_S
-from kareus.profiler.devices.nvml_energy import DEFAULT_MIN_WINDOW_S
+from kareus.devices.base import Device, Measurement, Resources, Workload
+from kareus.devices.nvml.energy import DEFAULT_MIN_WINDOW_S
+from kareus.devices.nvml.gpu import DEFAULT_SETTLE_S
 
 log = logging.getLogger("kareus")
 

@@ -22,11 +22,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from kareus.devices.base import Device, Measurement, Workload
 from kareus.passes.analyse import GraphAnalysis
 from kareus.passes.collectives import find_collectives
 from kareus.passes.partition import Partition
 from kareus.passes.variants import PartitionChoices
-from kareus.profiler.devices.base import Device, Measurement, Workload
 from kareus.profiler.exchange import ProfilingAborted, Team
 from kareus.profiler.measure import Protocol, measure_variant
 from kareus.profiler.search import Config, Point, SearchResult, Space, pareto, search

@@ -37,7 +37,7 @@ import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from kareus.profiler.devices.base import Measurement
+from kareus.devices.base import Measurement
 
 
 @dataclass(frozen=True, order=True)

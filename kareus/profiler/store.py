@@ -55,10 +55,10 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kareus import __version__
 from kareus.closing import Closing
+from kareus.devices.base import Measurement
 from kareus.errors import KareusError
-from kareus.profiler.devices.base import Measurement
+from kareus.version import __version__
 
 logger = logging.getLogger("kareus")
 

@@ -16,11 +16,11 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from kareus.passes.nanobatch import sliced_operands, with_group
+from kareus.codegen.nanobatch import sliced_operands, with_group
+from kareus.devices.base import Workload
 from kareus.passes.ops import resize_args
 from kareus.passes.partition import Partition
 from kareus.passes.placement import NodePlacement, PlacementResult, Split, Whole, per_nanobatch
-from kareus.profiler.devices.base import Workload
 
 aten = torch.ops.aten
 

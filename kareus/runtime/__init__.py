@@ -13,12 +13,13 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kareus.devices.base import ClockController
 from kareus.runtime.agreement import CompileCounter
-from kareus.runtime.clock import ClockController, ClockRouter
+from kareus.runtime.clock import ClockRouter
 from kareus.runtime.communicators import Communicators
 
 if TYPE_CHECKING:
-    from kareus.profiler.devices.base import Device
+    from kareus.devices.base import Device
 
 
 @dataclass
@@ -31,7 +32,7 @@ class ProcessRuntime:
 
     def device(self, spec: str) -> Device:
         """One device per spec: NVML is opened (and "auto" decided and logged) once."""
-        from kareus.profiler.devices.resolve import resolve_device
+        from kareus.devices.resolve import resolve_device
 
         with self._lock:
             if spec not in self._devices:
@@ -61,3 +62,7 @@ def use_controller(controller: ClockController) -> AbstractContextManager[ClockC
     """Route the set_clock calls of graphs this thread runs to ``controller`` in a block;
     default clocks are restored (``controller.reset()``) on the way out."""
     return _PROCESS.clocks.use(controller)
+
+
+# Last: the op's implementation reaches the router through ``process_runtime``.
+from kareus.runtime import ops as _ops  # noqa: F401 - registers kareus::set_clock's kernel

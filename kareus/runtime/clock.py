@@ -1,9 +1,7 @@
-"""Clock controllers: what the ``kareus::set_clock`` op calls when a graph starts.
+"""The clock router: which controller a ``kareus::set_clock`` call reaches, per thread.
 
-A controller turns "graph G wants SM clock F" into an action. This module holds the
-protocol and the two controllers that touch no hardware: one that does nothing and one
-that records every switch (tests, and dry runs on GPUs whose clocks must not change).
-Hardware controllers (NVML) implement the same protocol elsewhere.
+Controllers (the protocol, the two that touch no hardware) belong to the devices
+(``devices.base``); what a process routes to them, and for which thread, is the runtime's.
 """
 
 from __future__ import annotations
@@ -11,54 +9,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
 
-DEFAULT_CLOCK_MHZ = 0
-"""The clock request meaning "the device's default clocks" (no lock)."""
-
-
-@runtime_checkable
-class ClockController(Protocol):
-    def set_clock(self, graph: str, mhz: int) -> None:
-        """Request SM clock ``mhz`` (``DEFAULT_CLOCK_MHZ``: default clocks) as ``graph`` starts."""
-
-    def reset(self) -> None:
-        """Return the device to its default clocks."""
-
-
-class NullClockController:
-    """No device to control: every request is accepted and ignored."""
-
-    def set_clock(self, graph: str, mhz: int) -> None:
-        pass
-
-    def reset(self) -> None:
-        pass
-
-
-@dataclass(frozen=True)
-class ClockSwitch:
-    order: int
-    graph: str
-    mhz: int
-
-
-class RecordingClockController:
-    """Records every request in call order; changes nothing on any device."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.switches: list[ClockSwitch] = []
-        self.resets = 0
-
-    def set_clock(self, graph: str, mhz: int) -> None:
-        with self._lock:
-            self.switches.append(ClockSwitch(len(self.switches), graph, mhz))
-
-    def reset(self) -> None:
-        with self._lock:
-            self.resets += 1
+from kareus.devices.base import ClockController, NullClockController
 
 
 class ClockRouter:

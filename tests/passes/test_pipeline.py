@@ -10,8 +10,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing import FileCheck
 
 from kareus import KareusError, ReasonKind
+from kareus.codegen.apply import apply
 from kareus.passes.analyse import analyse
-from kareus.passes.apply import apply
 from kareus.passes.decide import Decision, DecisionError, Policy, decide
 from kareus.passes.variants import Variant
 

@@ -4,11 +4,11 @@ import pytest
 import torch
 from conftest import analysed, tp_llama
 
-from kareus.passes.apply import apply
+from kareus.codegen.apply import apply
+from kareus.devices import SimulatedGPU
 from kareus.passes.decide import Decision
 from kareus.planner.compose import front
 from kareus.planner.graph import _partition_options, graph_options, variant_of
-from kareus.profiler.devices import SimulatedGPU
 from kareus.profiler.profile import Settings, profile_graph
 from kareus.profiler.store import ProfileStore
 

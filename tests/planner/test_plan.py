@@ -4,11 +4,11 @@ import json
 
 import pytest
 
+from kareus.devices import SimulatedGPU
 from kareus.planner.budget import Budget, BudgetError
 from kareus.planner.compose import GraphChoice, Option
 from kareus.planner.graph import GraphOptions
 from kareus.planner.plan import Plan, PlanError, make_plan
-from kareus.profiler.devices import SimulatedGPU
 
 
 def _graph(label, key, points):

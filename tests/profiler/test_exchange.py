@@ -7,7 +7,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from kareus.profiler.devices.base import Measurement
+from kareus.devices.base import Measurement
 from kareus.profiler.exchange import ProfilingAborted, Team
 from kareus.profiler.search import Config, Space, search
 

@@ -2,10 +2,9 @@ import logging
 
 import pytest
 
-from kareus.profiler.devices import SimulatedGPU
-from kareus.profiler.devices.base import Device, Measurement, Workload
+from kareus.devices import SimulatedGPU
+from kareus.devices.base import Device, Measurement, RecordingClockController, Workload
 from kareus.profiler.measure import Protocol, group_measurement, measure_variant
-from kareus.runtime.clock import RecordingClockController
 
 
 class Scripted(Device):

@@ -9,8 +9,8 @@ from conftest import analysed, tp_llama
 from gloo import AllReduceBlock
 
 from kareus import KareusBackend
+from kareus.devices import SimulatedGPU
 from kareus.profiler import profile as profiling
-from kareus.profiler.devices import SimulatedGPU
 from kareus.profiler.profile import Settings, profile_graph
 from kareus.profiler.store import ProfileKey, ProfileStore
 
@@ -156,7 +156,7 @@ def test_a_real_gpu_runs_each_variant_under_the_protocol(graphs, tmp_path, lower
     from fake_pynvml import FakeNvml
 
     from kareus.codegen.lowering import lower
-    from kareus.profiler.devices.nvml import NvmlGPU
+    from kareus.devices.nvml.gpu import NvmlGPU
     from kareus.profiler.measure import Protocol
 
     fake = FakeNvml()
@@ -192,7 +192,7 @@ def test_the_backend_compiles_and_measures_variants_on_a_real_gpu(fake_pg, tmp_p
     compile with its own context) and run for real on the NVML path (fake driver)."""
     from fake_pynvml import FakeNvml
 
-    from kareus.profiler.devices.nvml import NvmlGPU
+    from kareus.devices.nvml.gpu import NvmlGPU
     from kareus.profiler.measure import Protocol
 
     fake = FakeNvml()
@@ -223,8 +223,8 @@ def test_a_real_gpu_measures_a_capped_collective_on_a_capped_communicator(fake_p
     import torch.distributed as dist
     from fake_pynvml import FakeNvml
 
+    from kareus.devices.nvml.gpu import NvmlGPU
     from kareus.passes import variants
-    from kareus.profiler.devices.nvml import NvmlGPU
     from kareus.profiler.measure import Protocol
     from kareus.runtime.communicators import Communicators
 

@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from kareus.profiler.devices.base import Measurement
+from kareus.devices.base import Measurement
 from kareus.profiler.search import (
     Config,
     Point,

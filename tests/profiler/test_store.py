@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from kareus import KareusError
-from kareus.profiler.devices.base import Measurement
+from kareus.devices.base import Measurement
 from kareus.profiler.store import (
     FILENAME,
     SCHEMA_VERSION,

@@ -7,9 +7,9 @@ import torch.distributed._functional_collectives as funcol
 from conftest import analysed, tp_llama
 from torch.testing import FileCheck
 
+from kareus.devices import SimulatedGPU
+from kareus.devices.sim.model import Step, graph_cost
 from kareus.passes.placement import Split, Whole
-from kareus.profiler.devices import SimulatedGPU
-from kareus.profiler.devices.simulated import Step, graph_cost
 from kareus.profiler.workloads import _random_like, partition_workload
 
 

@@ -4,7 +4,8 @@ import threading
 
 import pytest
 
-from kareus.runtime.clock import ClockRouter, NullClockController, RecordingClockController
+from kareus.devices.base import NullClockController, RecordingClockController
+from kareus.runtime.clock import ClockRouter
 
 
 def _in_thread(fn):

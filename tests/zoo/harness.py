@@ -295,7 +295,7 @@ def _measuring_backend(options: dict[str, object]):
     from fake_pynvml import FakeNvml
 
     import kareus
-    from kareus.profiler.devices.nvml import NvmlGPU
+    from kareus.devices.nvml.gpu import NvmlGPU
     from kareus.profiler.measure import Protocol
 
     gpu = NvmlGPU(nvml_module=FakeNvml(), dry_run=True, cuda=False, min_window_s=0.01,

@@ -1,0 +1,229 @@
+"""Energy and time of a workload on one GPU, read through NVML.
+
+Energy comes from the NVML total-energy counter (mJ since driver load). The counter only
+updates every ~20-100 ms (REFERENCE.md s4), so a workload is repeated until one window
+lasts at least ``min_window_s`` and the window is divided by the repeat count; where the
+counter is unsupported, power is polled by a background thread and integrated. Time is the
+CUDA-event time of the window (wall clock without CUDA), also divided by the repeats.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kareus.devices.errors import EnergyUnavailableError, nvml_error_code
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self from Python 3.11
+
+logger = logging.getLogger("kareus")
+
+DEFAULT_MIN_WINDOW_S = 0.5
+"""Shortest measured window: five updates of a ~100 ms energy counter. Either reading may
+be up to one update stale, so a 0.5 s window can be off by up to ~20%; raise it for
+final numbers (the method's artifact measured 5 s windows)."""
+
+DEFAULT_POLL_INTERVAL_S = 0.01
+"""Power polling period where the energy counter is unsupported."""
+
+
+class EnergyCounter:
+    """Energy of a window from two readings of the NVML counter (mJ since driver load)."""
+
+    method = "nvml-energy-counter"
+
+    def __init__(self, read_mj: Callable[[], int]) -> None:
+        self._read_mj = read_mj
+        self._start_mj = 0
+        self.joules = 0.0
+
+    def __enter__(self) -> Self:
+        self._start_mj = self._read_mj()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.joules = (self._read_mj() - self._start_mj) / 1000.0
+
+
+class PowerSampler:
+    """Energy of a window by the trapezoid rule over power polled from a background thread.
+
+    Power is also read at both ends of the window, so the integral spans it exactly. Only
+    GPUs without the counter (pre-Volta, some vGPU setups) take this path.
+    """
+
+    method = "nvml-power-polling"
+
+    def __init__(
+        self, read_power_w: Callable[[], float], now: Callable[[], float], interval_s: float
+    ) -> None:
+        self._read_power_w = read_power_w
+        self._now = now
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, name="kareus-power", daemon=True)
+        self.samples: list[tuple[float, float]] = []
+        self.joules = 0.0
+
+    def __enter__(self) -> Self:
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+        self.joules = sum(
+            (t1 - t0) * (p0 + p1) / 2
+            for (t0, p0), (t1, p1) in zip(self.samples, self.samples[1:])
+        )
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            self._sample()
+
+    def _sample(self) -> None:
+        self.samples.append((self._now(), self._read_power_w()))
+
+
+@dataclass(frozen=True)
+class Window:
+    """``runs`` back-to-back executions of a workload and what they took together."""
+
+    runs: int
+    wall_s: float
+    stream_s: float | None  # CUDA-event time; None without CUDA
+    energy_j: float
+
+    @property
+    def time_s(self) -> float:
+        """Time of one run: stream time where there is one, else wall time."""
+        return (self.stream_s if self.stream_s is not None else self.wall_s) / self.runs
+
+    @property
+    def run_energy_j(self) -> float:
+        return self.energy_j / self.runs
+
+    def details(self) -> dict[str, float]:
+        details = {
+            "runs": float(self.runs),
+            "window_s": self.wall_s,
+            "wall_time_s": self.wall_s / self.runs,
+        }
+        if self.stream_s is not None:
+            details["cuda_time_s"] = self.stream_s / self.runs
+        return details
+
+
+class NvmlEnergyMeter:
+    """Measures a workload on one GPU in windows of at least ``min_window_s``.
+
+    The method (counter or power polling) is chosen once, when the meter is made: a GPU
+    without either raises ``EnergyUnavailableError``. ``cuda`` times windows with CUDA
+    events and synchronizes before reading energy; without it, wall time is all there is.
+    """
+
+    def __init__(
+        self,
+        nvml: ModuleType | Any,
+        handle: object,
+        *,
+        gpu: str,
+        min_window_s: float = DEFAULT_MIN_WINDOW_S,
+        poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
+        cuda: bool = False,
+        timer: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self._nvml = nvml
+        self._handle = handle
+        self.gpu = gpu
+        self.min_window_s = min_window_s
+        self._poll_interval_s = poll_interval_s
+        self._cuda = cuda
+        self._timer = timer
+        self._use_counter = self._energy_counter_supported()
+
+    @property
+    def method(self) -> str:
+        return EnergyCounter.method if self._use_counter else PowerSampler.method
+
+    def power_w(self) -> float:
+        """Board power now (NVML's power reading, averaged by the driver over ~1 s)."""
+        return self._nvml.nvmlDeviceGetPowerUsage(self._handle) / 1000.0
+
+    def measure(
+        self, run: Callable[[], object], agree: Callable[[int], int] | None = None
+    ) -> Window:
+        """A window of repeated ``run()`` calls that lasts at least ``min_window_s``, sized
+        from a single warm-up run; ``agree`` (``Workload.agree``) makes every rank that
+        runs it together take the same, largest, count."""
+        decide = agree or (lambda runs: runs)
+        warmup = self._window(run, 1)
+        window = self._window(run, decide(self._runs_to_fill(warmup)))
+        while True:
+            short = window.wall_s < self.min_window_s  # the warm-up overestimated one run
+            runs = decide(max(2 * window.runs, self._runs_to_fill(window)) if short else 0)
+            if not runs:
+                return window
+            window = self._window(run, runs)
+
+    def _energy_counter_supported(self) -> bool:
+        nvml = self._nvml
+        try:
+            nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle)
+            return True
+        except nvml.NVMLError as exc:
+            if nvml_error_code(exc) != nvml.NVML_ERROR_NOT_SUPPORTED:
+                raise
+        try:
+            nvml.nvmlDeviceGetPowerUsage(self._handle)
+        except nvml.NVMLError as exc:
+            raise EnergyUnavailableError(self.gpu, exc) from exc
+        logger.warning(
+            "%s has no NVML energy counter (NOT_SUPPORTED): integrating power polled every "
+            "%.0f ms instead, which is less accurate for short kernels",
+            self.gpu,
+            1000 * self._poll_interval_s,
+        )
+        return False
+
+    def _energy(self) -> EnergyCounter | PowerSampler:
+        nvml, handle = self._nvml, self._handle
+        if self._use_counter:
+            return EnergyCounter(lambda: nvml.nvmlDeviceGetTotalEnergyConsumption(handle))
+        return PowerSampler(self.power_w, self._timer, self._poll_interval_s)
+
+    def _runs_to_fill(self, window: Window) -> int:
+        """Runs expected to fill ``min_window_s`` with a 10% margin, from a timed window."""
+        per_run_s = max(window.wall_s / window.runs, 1e-6)
+        return max(1, math.ceil(1.1 * self.min_window_s / per_run_s))
+
+    def _window(self, run: Callable[[], object], runs: int) -> Window:
+        """Run ``runs`` times back to back, energy read around them once the stream is idle."""
+        events = _timing_events() if self._cuda else None
+        with self._energy() as energy:
+            if events is not None:
+                events[0].record()
+            start = self._timer()
+            for _ in range(runs):
+                run()
+            if events is not None:
+                events[1].record()
+                torch.cuda.synchronize()
+            wall_s = self._timer() - start
+        stream_s = events[0].elapsed_time(events[1]) / 1000.0 if events is not None else None
+        return Window(runs, wall_s, stream_s, energy.joules)
+
+
+def _timing_events() -> tuple[Any, Any]:
+    return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -1,0 +1,245 @@
+"""A real GPU measured and controlled through NVML.
+
+``NvmlGPU`` composes three parts, each usable and tested on its own: which GPU this
+process trains on (``nvml_select.select_gpu``), the energy meter that measures workloads
+on it (``nvml_energy.NvmlEnergyMeter``) and the controller that locks its SM clock
+(``runtime.nvml_clock.NvmlClockController``). This module adds what NVML does not say: the
+clocks to search and the GPU's static power.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from kareus.closing import Closing
+from kareus.devices.base import Device, Measurement, Resources, Workload
+from kareus.devices.errors import DeviceError, UnsupportedMeasurementError
+from kareus.devices.nvml.clock import (
+    EventFactory,
+    NvmlClockController,
+    no_event,
+    record_cuda_event,
+)
+from kareus.devices.nvml.driver import load_nvml, nvml_text
+from kareus.devices.nvml.energy import (
+    DEFAULT_MIN_WINDOW_S,
+    DEFAULT_POLL_INTERVAL_S,
+    NvmlEnergyMeter,
+)
+from kareus.devices.nvml.select import select_gpu
+from kareus.passes.ops import DEFAULT_CLOCK_MHZ
+
+logger = logging.getLogger("kareus")
+
+DEFAULT_SETTLE_S = 0.1
+"""Wait after a clock switch before measuring: Hopper transitions take about 10-100 ms."""
+
+SEARCH_STEP_MHZ = 30
+SEARCH_COUNT = 18
+"""The method's A100 search range is 1410 down to 900 MHz in 30 MHz steps: 18 clocks
+(REFERENCE.md s1). Other GPUs get the same shape below their maximum clock."""
+
+STATIC_POWER_W: tuple[tuple[str, float], ...] = (
+    (r"\bA100\b", 85.0),
+    (r"\bA40\b", 70.0),
+)
+"""Power while blocked in communication, measured by the method's authors (REFERENCE.md s1)."""
+
+STATIC_POWER_FRACTION_OF_LIMIT = 0.21
+"""Assumption for GPUs without a published figure: static power is the same share of the
+default power limit as on A100 SXM4 (85 W of 400 W; A40: 70 of 300 W, 23%). On an H100 or
+H200 (700 W) this gives 147 W, near the 140-145 W measured idle in P0 with memory
+allocated on H100 (CALIBRATION.md, Power)."""
+
+
+def default_search_clocks(
+    supported: Sequence[int], step_mhz: int = SEARCH_STEP_MHZ, count: int = SEARCH_COUNT
+) -> tuple[int, ...]:
+    """The supported clock nearest each of max, max - step, ... (``count`` targets, ending
+    at the bottom of the supported range), descending."""
+    top, bottom = max(supported), min(supported)
+    targets = [top - k * step_mhz for k in range(count)]
+    picks = {
+        min(supported, key=lambda clock: (abs(clock - target), -clock))
+        for target in targets
+        if target >= bottom - step_mhz / 2
+    }
+    return tuple(sorted(picks, reverse=True))
+
+
+def default_static_power_w(gpu_name: str, default_power_limit_w: Callable[[], float]) -> float:
+    """Published static power for the GPU, else the documented share of its power limit."""
+    for pattern, watts in STATIC_POWER_W:
+        if re.search(pattern, gpu_name):
+            return watts
+    try:
+        watts = STATIC_POWER_FRACTION_OF_LIMIT * default_power_limit_w()
+    except Exception as exc:
+        raise DeviceError(
+            f"no static power is known for {gpu_name} and its power limit cannot be read "
+            f"({exc}): pass static_power_w=<watts drawn while blocked in communication>"
+        ) from exc
+    logger.warning(
+        "static power of %s assumed to be %.0f W (%.0f%% of its default power limit, as on "
+        "A100); pass static_power_w= to use a measured value",
+        gpu_name,
+        watts,
+        100 * STATIC_POWER_FRACTION_OF_LIMIT,
+    )
+    return watts
+
+
+class NvmlGPU(Device, Closing):
+    """The local GPU of this process, measured through NVML and clocked by locked clocks.
+
+    ``dry_run`` measures the same way but never calls an NVML setter: clock switches are
+    validated and recorded (``clock_controller().switches``), and every measurement is at
+    the default clocks (``details["clock_locked"] == 0``). Either way the device is this
+    process's GPU, so compiled graphs drive its controller (``controls_clocks``).
+    """
+
+    controls_clocks = True
+
+    def __init__(
+        self,
+        *,
+        cuda_index: int | None = None,
+        dry_run: bool = False,
+        static_power_w: float | None = None,
+        min_window_s: float = DEFAULT_MIN_WINDOW_S,
+        settle_s: float = DEFAULT_SETTLE_S,
+        poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
+        nvml_module: ModuleType | Any = None,
+        cuda: bool | None = None,
+        event_factory: EventFactory | None = None,
+        timer: Callable[[], float] = time.perf_counter,
+        sleep: Callable[[float], None] = time.sleep,
+        reset_at_exit: bool = True,
+    ) -> None:
+        self.dry_run = dry_run
+        self._settle_s = settle_s
+        self._sleep = sleep
+        self._nvml = nvml = load_nvml(nvml_module)
+        try:
+            cuda = cuda_available() if cuda is None else cuda
+            self.index = select_gpu(nvml, cuda_index, cuda=torch.cuda if cuda else None)
+            handle = nvml.nvmlDeviceGetHandleByIndex(self.index)
+            self.gpu_name = nvml_text(nvml.nvmlDeviceGetName(handle))
+            prefix = "nvml-dry-run" if dry_run else "nvml"
+            self.name = f"{prefix}:{self.index} ({self.gpu_name})"
+            gpu = f"GPU {self.index} ({self.gpu_name})"
+            memory_mhz = nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_MEM)
+            clocks = nvml.nvmlDeviceGetSupportedGraphicsClocks(handle, memory_mhz)
+            self._supported = tuple(sorted(set(clocks), reverse=True))
+            self._static_power_w = (
+                static_power_w
+                if static_power_w is not None
+                else default_static_power_w(
+                    self.gpu_name,
+                    lambda: nvml.nvmlDeviceGetPowerManagementDefaultLimit(handle) / 1000.0,
+                )
+            )
+            self.meter = NvmlEnergyMeter(
+                nvml,
+                handle,
+                gpu=gpu,
+                min_window_s=min_window_s,
+                poll_interval_s=poll_interval_s,
+                cuda=cuda,
+                timer=timer,
+            )
+            self._controller = NvmlClockController(
+                nvml,
+                handle,
+                gpu=gpu,
+                index=self.index,
+                supported_clocks=self._supported,
+                dry_run=dry_run,
+                event_factory=event_factory or (record_cuda_event if cuda else no_event),
+                reset_at_exit=reset_at_exit,
+            )
+        except BaseException:
+            nvml.nvmlShutdown()
+            raise
+
+    @property
+    def identity(self) -> str:
+        """The GPU model, and whether clocks really change (a dry run measures every clock
+        at the default ones): a profile measured on one H200 holds for another."""
+        return f"{'nvml-dry-run' if self.dry_run else 'nvml'}:{self.gpu_name}"
+
+    def supported_clocks(self) -> tuple[int, ...]:
+        return self._supported
+
+    def search_clocks(self) -> tuple[int, ...]:
+        """See ``default_search_clocks``; the first is the maximum, where default clocks boost."""
+        return default_search_clocks(self._supported)
+
+    @property
+    def static_power_w(self) -> float:
+        return self._static_power_w
+
+    @property
+    def min_window_s(self) -> float:
+        return self.meter.min_window_s
+
+    @property
+    def method(self) -> str:
+        return self.meter.method
+
+    def power_w(self) -> float:
+        return self.meter.power_w()
+
+    def clock_controller(self) -> NvmlClockController:
+        return self._controller
+
+    def measure(
+        self, workload: Workload, clock_mhz: int, *, resources: Resources | None = None
+    ) -> Measurement:
+        capped = sorted(name for name, sms in (resources or {}).items() if sms is not None)
+        if capped:
+            raise UnsupportedMeasurementError(
+                self.name,
+                f"SM caps on {', '.join(capped)}",
+                "caps are realised by NCCL sub-communicators the runtime creates "
+                "(runtime.communicators), not by the meter; measure the rewritten graph "
+                "with resources=None",
+            )
+        if workload.run is None:
+            raise ValueError(
+                f"workload {workload.name!r} has no run(): the NVML device measures by running it"
+            )
+        switching = clock_mhz != self._controller.applied_mhz
+        self._controller.set_clock(f"measure:{workload.name}", clock_mhz)
+        self._controller.flush()
+        if switching:
+            self._sleep(self._settle_s)
+        window = self.meter.measure(workload.run, workload.agree)
+        locked = not self.dry_run and clock_mhz != DEFAULT_CLOCK_MHZ
+        return Measurement(
+            time_s=window.time_s,
+            energy_j=window.run_energy_j,
+            static_power_w=self._static_power_w,
+            clock_mhz=clock_mhz,
+            method=self.method,
+            details={**window.details(), "clock_locked": float(locked)},
+        )
+
+    def close(self) -> None:
+        """Reset clocks, stop the controller thread and release NVML."""
+        try:
+            self._controller.close()
+        finally:
+            self._nvml.nvmlShutdown()
+
+
+def cuda_available() -> bool:
+    """Whether torch sees a CUDA GPU; one place for tests to pretend otherwise."""
+    return torch.cuda.is_available()

@@ -1,0 +1,281 @@
+"""The nanobatch rewrite on one process (fake process group): schedule, fallbacks, memory."""
+
+import random
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from conftest import analysed, tp_llama
+from memory import peak_memory_bytes
+from torch._inductor.utils import run_and_get_code
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from kareus import KareusBackend, ReasonKind
+from kareus.codegen.apply import apply
+from kareus.codegen.nanobatch import Schedule, nanobatch_graph
+from kareus.passes.decide import Policy, decide
+from kareus.passes.ops import OP_TABLE
+from kareus.passes.partition import partition_graph
+from kareus.passes.placement import Split, propagate
+from kareus.passes.variants import Variant
+from kareus.runtime.communicators import CommunicatorError, Communicators
+
+aten = torch.ops.aten
+
+
+def _slot_in_forward(partition: int, slot: int):
+    def chooser(analysis, k):
+        slots = list(analysis.space.default(k).slots)
+        if analysis.kind == "forward":
+            slots[partition] = slot
+        return Variant(k, tuple(slots), analysis.space.default(k).resources)
+
+    return chooser
+
+
+def _events(code: str) -> list[tuple[str, str | None]]:
+    """Collective issues and waits (with their buffer) and matmuls, in the order Inductor
+    runs them."""
+    events = []
+    for line in code[code.index("def call(") :].splitlines():
+        m = re.search(r"_c10d_functional\.(\w+?)_?\.default\((\w+)", line)
+        if m:
+            events.append(("wait" if m.group(1) == "wait_tensor" else "issue", m.group(2)))
+        elif "extern_kernels.mm(" in line or "extern_kernels.addmm(" in line:
+            events.append(("mm", None))
+    return events
+
+
+MLP = 4  # forward partition of layer 1's MLP: norm | w1 | w3 | silu * mul | w2
+
+
+@pytest.mark.parametrize("slot", [0, 2, 4, 5])
+def test_inductor_code_issues_each_collective_at_its_slot(fake_pg, slot):
+    backend = KareusBackend({"nanobatches": 2}, chooser=_slot_in_forward(MLP, slot))
+    _, (code,) = run_and_get_code(
+        torch.compile(tp_llama(2), backend=backend), torch.randint(0, 256, (4, 16))
+    )
+    report = backend.reports()[0]
+    assert report.nanobatches == 2 and report.variant.slots[MLP] == slot
+    slots = report.partitions[MLP].slots
+    assert [s.kind for s in slots] == ["memory", "matmul", "matmul", "memory", "matmul"]
+
+    events = _events(code)
+    issues = [i for i, e in enumerate(events) if e[0] == "issue"]
+    assert len(issues) == 2 * len(report.partitions)  # one collective per nanobatch
+    nb0, nb1 = issues[2 * MLP], issues[2 * MLP + 1]
+    wait_nb0 = events.index(("wait", events[nb0][1]), nb0)
+    overlapped = sum(e[0] == "mm" for e in events[nb0:wait_nb0])
+    # nanobatch 0's all-reduce is issued before the matmuls of nanobatch 1 from the slot
+    # on, and waited only after them (where nanobatch 0's next segment starts).
+    expected = sum(s.kind == "matmul" for s in slots[slot:])
+    assert overlapped == expected == sum(e[0] == "mm" for e in events[nb0:nb1])
+    assert wait_nb0 > nb1
+
+
+class AllReduceMLP(torch.nn.Module):
+    """Row-parallel-style block: the all-reduce sits between two batched matmuls."""
+
+    def __init__(self, before=None, after=None):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+        self.before, self.after = before or (lambda x: x), after or (lambda x: x)
+
+    def forward(self, x):
+        h = self.before(self.a(x))
+        h = funcol.all_reduce(h, "sum", dist.group.WORLD)
+        return self.b(self.after(torch.relu(h)))
+
+
+def _run(model, x, nanobatches, lowering="eager", seed=0, **compile_kwargs):
+    """Output, gradients and graph reports of ``model(x)`` compiled by a fresh kareus backend."""
+    torch._dynamo.reset()
+    backend = KareusBackend({"nanobatches": nanobatches, "lowering": lowering})
+    compiled = torch.compile(model, backend=backend, **compile_kwargs)
+    torch.manual_seed(seed)
+    out = compiled(x)
+    out.sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    return out, grads, backend.reports()
+
+
+@pytest.mark.parametrize("lowering", ["eager", "inductor"])
+@pytest.mark.parametrize("norm", [False, True], ids=["plain", "layernorm"])
+def test_rewritten_block_matches_unrewritten(fake_pg, lowering, norm):
+    torch.manual_seed(0)
+    model, x = AllReduceMLP(before=torch.nn.LayerNorm(16) if norm else None), torch.randn(4, 6, 8)
+    ref_out, ref_grads, _ = _run(model, x, 1, lowering)
+    out, grads, reports = _run(model, x, 4, lowering)
+    assert [r.nanobatches for r in reports] == [4, 4]
+    torch.testing.assert_close(out, ref_out)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r)
+
+
+def _fallback(model, x, k=2):
+    ref_out, ref_grads, _ = _run(model, x, 1)
+    out, grads, reports = _run(model, x, k)
+    torch.testing.assert_close(out, ref_out)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r)
+    return reports
+
+
+def test_batch_not_divisible_runs_unrewritten(fake_pg):
+    torch.manual_seed(0)
+    forward, backward = _fallback(AllReduceMLP(), torch.randn(3, 8))
+    assert (forward.nanobatches, backward.nanobatches) == (1, 1)
+    assert forward.fallback.kind is ReasonKind.NOT_DIVISIBLE
+    assert "size 3 does not divide into 2 nanobatches" in forward.fallback.detail
+    assert (
+        forward.variants.infeasible[2] == forward.fallback
+        and forward.variants.nanobatches == (1,)
+    )
+
+
+def test_op_without_rule_ends_the_split_region(fake_pg):
+    torch.manual_seed(0)
+    model = AllReduceMLP(before=lambda h: torch.flip(h, dims=[0]))  # mixes the batch
+    forward, _ = _fallback(model, torch.randn(4, 8))
+    assert forward.nanobatches == 1
+    assert forward.fallback.kind is ReasonKind.NO_SPLIT_COLLECTIVE
+    (barrier,) = forward.barriers
+    assert barrier.kind is ReasonKind.NO_RULE and barrier.node.startswith("rev")
+
+
+def test_random_op_after_the_collective_keeps_the_random_stream(fake_pg):
+    torch.manual_seed(0)
+    model = AllReduceMLP(after=lambda h: F.dropout(h, 0.5, training=True))
+    forward, backward = _fallback(model, torch.randn(4, 8), k=2)
+    # The mask is drawn once for the whole batch, then sliced per nanobatch.
+    assert (forward.nanobatches, backward.nanobatches) == (2, 2), forward.fallback
+    assert forward.barriers == ()
+
+
+def test_graph_without_collectives_is_not_rewritten(fake_pg):
+    torch.manual_seed(0)
+    forward, _ = _fallback(
+        torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()), torch.randn(4, 8)
+    )
+    assert forward.nanobatches == 1
+    assert forward.fallback.kind is ReasonKind.NO_SPLIT_COLLECTIVE
+    assert forward.partitions == ()
+
+
+def test_memory_of_two_nanobatches(fake_pg):
+    """Peak memory grows only by what the extra in-flight buffers explain."""
+    graphs = analysed(tp_llama(2), torch.randint(0, 256, (8, 64)))
+    payload = max(c.payload_bytes for _, a in graphs for c in a.collectives)
+    for g, a in graphs:
+        one, two = (peak_memory_bytes(apply(g.gm, a, decide(a, Policy(k))).graph) for k in (1, 2))
+        print(f"peak memory k=2 / k=1, {g.kind}: {two / one:.3f}")
+        # the next nanobatch's collective in flight, and a join's copy of one value
+        assert two <= one + 2 * payload
+
+
+def test_variant_space_is_enumerable(fake_pg):
+    ((_, a),) = analysed(tp_llama(1), torch.randint(0, 256, (4, 16)), backward=False)
+    space = a.space
+    assert space.nanobatches == (1, 2, 4) and set(space.choices) == {2, 4}
+    parts = space.partitions(2)
+    assert all(p.resources == (None,) for p in parts)  # gloo / fake: no CTA knob
+    assert [p.launch_slots for p in parts] == [len(p.slots) + 1 for p in a.partitioning.partitions]
+    variants = list(space)
+    assert len(variants) == space.size() == len(set(variants))
+    assert variants[0] == Variant(1, (), ())
+    drawn = space.sample(random.Random(0), 4)
+    assert space.check(drawn) is drawn
+
+
+def test_resource_caps_need_nccl(fake_pg):
+    with pytest.raises(CommunicatorError, match="communication resource caps need NCCL"):
+        Communicators().capped(dist.group.WORLD.group_name, 8)
+
+
+def test_split_inputs_of_the_caller_are_never_written(fake_pg):
+    """Token ids in a padded (non-dense) tensor: Inductor must not reinplace into them."""
+    backend = KareusBackend({"nanobatches": 4})
+    tokens = torch.randint(0, 256, (4, 17))[:, :-1]
+    before = tokens.clone()
+    torch.compile(tp_llama(2), backend=backend)(tokens)
+    assert backend.reports()[0].nanobatches == 4
+    assert torch.equal(tokens, before)
+
+
+def _gqa(x, wq, wkv):
+    """Grouped-query attention as Hugging Face writes it: K/V expanded over heads (stride 0)."""
+    b, s, _ = x.shape
+    q = (x @ wq).view(b, s, 4, 4).transpose(1, 2)
+    k, v = (x @ wkv).view(b, s, 2, 1, 4).unbind(2)
+    k, v = (t.transpose(1, 2)[:, :, None].expand(b, 1, 4, s, 4).reshape(b, 4, s, 4) for t in (k, v))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def test_joined_broadcast_values_keep_a_unit_stride_last_dim():
+    """Regression (HF Llama, GQA, eager lowering, k = 2 and 4 gave a wrong loss): attention
+    running on the whole batch gets K/V joined from nanobatch pieces; the join put the
+    stride-0 head dim innermost, and the CPU flash kernel read a last dim of stride 4."""
+    inputs = (torch.randn(4, 8, 16), torch.randn(16, 16), torch.randn(16, 8))
+    gm = make_fx(_gqa)(*inputs)
+    attention = aten._scaled_dot_product_flash_attention_for_cpu.default
+    x = next(iter(gm.graph.find_nodes(op="placeholder")))
+    placements = propagate(gm.graph, {x: Split(0)}, 2, OP_TABLE.without_rule(attention))
+    assert [(b.kind, b.detail) for b in placements.barriers] == [
+        (ReasonKind.NO_RULE, f"no placement rule for {attention}")
+    ]
+    rewritten = nanobatch_graph(
+        gm, partition_graph(gm.graph, []), [], placements, Schedule(2, (), ()), inputs
+    )
+    (joined,) = rewritten.graph.find_nodes(op="call_function", target=attention)
+    assert [a.meta["val"].stride(-1) for a in joined.args[:3]] == [1, 1, 1]
+    torch.testing.assert_close(rewritten(*inputs), gm(*inputs))
+
+
+def test_dynamic_batch_sizes_compile_once_and_say_why_they_are_not_split(fake_pg):
+    """Placement must not specialise symbolic sizes (one graph for every batch size, as
+    with Inductor), and the report says why the graph runs unrewritten."""
+    torch.manual_seed(0)
+    model = AllReduceMLP()
+    backend = KareusBackend({"nanobatches": 2, "lowering": "eager"})
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    for batch in (2, 3, 5, 8, 12):
+        x = torch.randn(batch, 8)
+        torch.testing.assert_close(compiled(x), model(x))
+    (forward,) = [r for r in backend.reports() if r.kind == "forward"]
+    assert forward.nanobatches == 1 and forward.fallback.kind is ReasonKind.SYMBOLIC_SHAPES
+
+
+def _most_all_gathers_in_flight(graph):
+    in_flight, most = set(), 0
+    for node in graph.nodes:
+        if node.target is torch.ops._c10d_functional.all_gather_into_tensor.default:
+            in_flight.add(node)
+            most = max(most, len(in_flight))
+        elif node.target is torch.ops._c10d_functional.wait_tensor.default:
+            in_flight.discard(node.args[0])
+    return most
+
+
+def test_exclusive_collectives_are_never_two_in_flight(fake_pg):
+    """gloo corrupts the heap with two all-gathers in flight on one group (torch 2.11-2.14):
+    for such a backend each is waited before the next is issued."""
+    from kareus.passes.analyse import analyse
+
+    ((g, _),) = analysed(
+        tp_llama(2, sequence_parallel=True), torch.randint(0, 256, (4, 16)), backward=False
+    )
+    graphs = {}
+    for name, exclusive in [
+        ("free", lambda group: frozenset()),
+        ("gloo", lambda group: frozenset({"all_gather"})),
+    ]:
+        a = analyse(
+            g.gm, g.inputs, g.kind, static_input_idxs=g.static_input_idxs, exclusive=exclusive
+        )
+        graphs[name] = apply(g.gm, a, decide(a, Policy(4))).graph
+    assert _most_all_gathers_in_flight(graphs["free"]) > 1
+    assert _most_all_gathers_in_flight(graphs["gloo"]) == 1

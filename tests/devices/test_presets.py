@@ -1,0 +1,183 @@
+"""The preset table and custom GPUs loaded from JSON."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+import pytest
+
+from kareus.devices import GPUSpec, SimulatedGPU, load_preset, preset_names
+from kareus.devices.errors import DeviceError, GPUSpecError
+from kareus.devices.sim.presets import COLLECTIVE_KINDS, PRESETS, _validate
+
+
+@pytest.mark.regression
+def test_preset_names():
+    assert preset_names() == ("sim:a100-sxm4-40gb", "sim:h100-sxm", "sim:h200")
+
+
+@pytest.mark.regression
+def test_a100_clocks_are_the_methods():
+    gpu = SimulatedGPU("sim:a100-sxm4-40gb")
+    assert gpu.supported_clocks() == tuple(range(1410, 209, -15))
+    assert gpu.search_clocks() == tuple(range(1410, 899, -30))
+    assert len(gpu.search_clocks()) == 18
+    assert gpu.static_power_w == 85.0
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_every_preset_is_consistent(name):
+    spec = load_preset(name)
+    search, supported = spec.search_clocks(), spec.supported_clocks()
+    assert len(search) == 18 and search[0] == supported[0] == spec.max_clock_mhz
+    assert set(search) <= set(supported)
+    assert list(supported) == sorted(supported, reverse=True)
+    # The GEMM's power-capped clock lies inside the search range, above the knee.
+    assert search[-1] < spec.knee_mhz < spec.sustained_gemm_mhz < spec.max_clock_mhz
+    assert spec.voltage(spec.min_clock_mhz) == spec.voltage(spec.knee_mhz) == spec.v_floor
+    assert spec.voltage(spec.max_clock_mhz) == pytest.approx(spec.v_max)
+    assert set(spec.bus_bytes_per_s) == set(COLLECTIVE_KINDS)
+
+
+@pytest.mark.fidelity
+def test_derived_sustained_clocks_match_the_published_ones():
+    # CALIBRATION: A100 DGEMM at 400 W sustains about 1305 MHz (thonking.ai's random-input
+    # bf16 8192^3 implies ~1233); H200 sustains about 1500 MHz under heavy load.
+    assert 1233 <= load_preset("sim:a100-sxm4-40gb").sustained_gemm_mhz <= 1305
+    assert 1450 <= load_preset("sim:h200").sustained_gemm_mhz < 1830
+
+
+def test_unknown_preset_lists_the_names():
+    with pytest.raises(ValueError, match="sim:a100-sxm4-40gb, sim:h100-sxm, sim:h200"):
+        load_preset("sim:b200")
+
+
+def write(tmp_path, data) -> str:
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def test_full_json_spec_round_trips(tmp_path):
+    data = dataclasses.asdict(PRESETS["sim:h200"]) | {"name": "my-h200"}
+    spec = load_preset(write(tmp_path, data))
+    assert spec == dataclasses.replace(PRESETS["sim:h200"], name="my-h200")
+
+
+def test_json_spec_overrides_a_base_preset(tmp_path):
+    gpu = SimulatedGPU(write(tmp_path, {"base": "sim:h100-sxm", "name": "h100-500w", "tdp_w": 500}))
+    assert gpu.name == "h100-500w"
+    assert gpu.spec == dataclasses.replace(PRESETS["sim:h100-sxm"], name="h100-500w", tdp_w=500)
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"base": "sim:h200", "name": "x", "tdp": 500}, r"unknown keys \['tdp'\]"),
+        ({"name": "x", "sm_count": 10}, r"missing keys \['attention_block', 'attention_bwd_"),
+        ({"base": "sim:h200", "tdp_w": 500}, r"missing key \['name'\]"),
+        ({"base": "sim:x200", "name": "x"}, "unknown base 'sim:x200'"),
+        ({"base": "sim:h200", "name": "x", "sm_count": 132.0}, "sm_count must be an integer"),
+        ({"base": "sim:h200", "name": "x", "tdp_w": "700"}, "tdp_w must be a finite number"),
+        (
+            {"base": "sim:h200", "name": "x", "gemm_efficiency": 1.5},
+            r"gemm_efficiency must be a finite number in \(0, 1\], got 1.5",
+        ),
+        ({"base": "sim:h200", "name": "x", "tdp_w": 100}, "invalid tdp_w=100"),
+        ({"base": "sim:h200", "name": "x", "search_step_mhz": 20}, "invalid search_step_mhz=20"),
+        (
+            {"base": "sim:h200", "name": "x", "bus_bytes_per_s": {"all_reduce": 1e9}},
+            "bus_bytes_per_s must map each of",
+        ),
+        ([1, 2], "must be a JSON object"),
+    ],
+)
+def test_bad_json_specs_name_the_problem(tmp_path, data, message):
+    path = write(tmp_path, data)
+    with pytest.raises(ValueError, match=message) as error:
+        load_preset(path)
+    assert "gpu.json" in str(error.value)
+
+
+def test_unreadable_json_is_reported(tmp_path):
+    path = tmp_path / "gpu.json"
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="cannot read GPU spec"):
+        load_preset(str(path))
+    with pytest.raises(ValueError, match="cannot read GPU spec"):
+        load_preset(str(tmp_path / "missing.json"))
+
+
+def test_spec_validation_applies_to_code_built_specs():
+    with pytest.raises(ValueError, match="invalid knee_mhz=2000"):
+        dataclasses.replace(PRESETS["sim:h200"], knee_mhz=2000)
+    assert isinstance(PRESETS["sim:h200"], GPUSpec)
+
+
+def bus_json(kind: str, raw: str) -> str:
+    """sim:h200's bus bandwidths as JSON text, with ``kind``'s replaced by ``raw``."""
+    bus = PRESETS["sim:h200"].bus_bytes_per_s
+    values = {k: raw if k == kind else repr(v) for k, v in bus.items()}
+    return "{" + ", ".join(f'"{k}": {v}' for k, v in values.items()) + "}"
+
+
+FRACTION = r"a finite number in \(0, 1\]"
+
+
+@pytest.mark.parametrize(
+    "key, raw, field, accepted",
+    [
+        ("kernel_floor_s", "0", "kernel_floor_s", "a finite number > 0"),
+        ("kernel_floor_s", "-1e-6", "kernel_floor_s", "a finite number > 0"),
+        ("ring_step_latency_s", "0", "ring_step_latency_s", "a finite number > 0"),
+        (
+            "bus_bytes_per_s",
+            bus_json("all_reduce", "Infinity"),
+            "bus_bytes_per_s['all_reduce']",
+            "a finite number > 0",
+        ),
+        (
+            "bus_bytes_per_s",
+            bus_json("all_gather", "true"),
+            "bus_bytes_per_s['all_gather']",
+            "a finite number > 0",
+        ),
+        (
+            "bus_bytes_per_s",
+            bus_json("all_to_all", "0"),
+            "bus_bytes_per_s['all_to_all']",
+            "a finite number > 0",
+        ),
+        ("hbm_bytes_per_s", "NaN", "hbm_bytes_per_s", "a finite number > 0"),
+        ("hbm_bytes_per_s", "Infinity", "hbm_bytes_per_s", "a finite number > 0"),
+        ("tdp_w", "true", "tdp_w", "a finite number > 0"),
+        ("static_power_w", "-5", "static_power_w", "a finite number >= 0"),
+        ("sm_count", "-132", "sm_count", "an integer >= 1"),
+        ("default_comm_sms", "0", "default_comm_sms", "an integer >= 1"),
+        ("nccl_buffer_bytes", "true", "nccl_buffer_bytes", "an integer >= 1"),
+        ("hbm_efficiency", "1.2", "hbm_efficiency", FRACTION),
+        ("memory_sm_activity", "NaN", "memory_sm_activity", FRACTION),
+        ("gemm_efficiency", "0", "gemm_efficiency", FRACTION),
+    ],
+)
+def test_out_of_range_fields_are_device_errors(tmp_path, key, raw, field, accepted):
+    path = tmp_path / "gpu.json"
+    path.write_text(f'{{"base": "sim:h200", "name": "x", "{key}": {raw}}}')
+    with pytest.raises(GPUSpecError) as error:
+        load_preset(str(path))
+    message = str(error.value)
+    assert isinstance(error.value, DeviceError) and isinstance(error.value, ValueError)
+    assert "gpu.json" in message and f"{field} must be" in message
+    assert re.search(accepted, message), message
+
+
+def test_out_of_range_fields_are_rejected_in_code_too():
+    with pytest.raises(GPUSpecError, match="kernel_floor_s must be a finite number > 0, got 0"):
+        dataclasses.replace(PRESETS["sim:h200"], kernel_floor_s=0)
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_every_preset_passes_the_checks(name):
+    _validate(PRESETS[name])  # raises on any out-of-range or inconsistent field
