@@ -44,7 +44,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from kareus.codegen.apply import apply
 from kareus.passes.analyse import GraphAnalysis, analyse
-from kareus.passes.decide import Decision
+from kareus.passes.decide import Choice
 
 
 def analysed_layer(
@@ -73,35 +73,35 @@ def time_graph(
 ) -> dict[str, Any]:
     """Milliseconds per variant before and after, over ``n`` random variants."""
     rng = random.Random(seed)
-    decisions = [Decision(k, analysis.space.sample(rng, k), 0) for _ in range(n)]
+    choices = [Choice.of(analysis.space.sample(rng, k)) for _ in range(n)]
     with _paused_gc():
         start = time.perf_counter()
-        for d in decisions:
+        for c in choices:
             analysis.rewrites.clear()
-            apply(gm, analysis, d)
+            apply(gm, analysis, c)
         before_s = time.perf_counter() - start
     analysis.rewrites.clear()
     with _paused_gc():
         start = time.perf_counter()
-        first = apply(gm, analysis, decisions[0])
+        first = apply(gm, analysis, choices[0])
         first_s = time.perf_counter() - start
         start = time.perf_counter()
-        for d in decisions[1:]:
-            apply(gm, analysis, d)
+        for c in choices[1:]:
+            apply(gm, analysis, c)
         steady_s = time.perf_counter() - start
     with _paused_gc():
         start = time.perf_counter()
         code = first.code  # generated on first use
         code_s = time.perf_counter() - start
     analysis.rewrites.clear()
-    if code != apply(gm, analysis, decisions[0]).code:
+    if code != apply(gm, analysis, choices[0]).code:
         raise AssertionError(f"{analysis.label} k={k}: the cached variant differs")
     return {
         "graph": analysis.label,
         "nanobatches": k,
         "nodes": len(first.graph.nodes),
         "variants": n,
-        "distinct_variants": len({d.variant for d in decisions}),
+        "distinct_variants": len(set(choices)),
         "before_ms": before_s / n * 1e3,
         "after_ms": (first_s + steady_s) / n * 1e3,
         "after_steady_ms": steady_s / (n - 1) * 1e3,

@@ -88,7 +88,7 @@ def _budget(args: argparse.Namespace) -> dict[str, object]:
 
 def _show(args: argparse.Namespace) -> int:
     from kareus.errors import KareusError
-    from kareus.reports import make_console
+    from kareus.profiler.progress import make_console
     from kareus.show import show
 
     console = make_console()
@@ -106,7 +106,8 @@ def _demo(args: argparse.Namespace) -> int:
     from kareus.demo import DemoConfig, run
     from kareus.models.llama import LlamaConfig
     from kareus.options import KareusOptionError, KareusOptions
-    from kareus.reports import make_console, print_report
+    from kareus.profiler.progress import make_console
+    from kareus.reports import print_report
     from kareus.show import show
 
     console = make_console()

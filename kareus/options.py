@@ -1,8 +1,11 @@
 """The ``options={...}`` of ``torch.compile(..., backend="kareus")``, parsed and checked.
 
-Every key is declared once in ``KareusOptions`` with its accepted values; anything else is
-rejected with one message that names the key, the bad value and what is accepted, before
-any graph is touched.
+Every key is declared once in ``KareusOptions`` with its accepted values (field metadata:
+``choices``, or ``validate`` and ``accepted``, or ``type``; ``doc``; ``plans: False`` where
+the option does not change what a plan chooses); anything else is rejected with one message
+that names the key, the bad value and what is accepted, before any graph is touched. The
+options then yield their typed parts once: the lowering, the profiler's settings, the
+budget, the counts a plan chooses among, the plan given, and whether graphs are planned.
 """
 
 from __future__ import annotations
@@ -10,10 +13,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kareus.errors import KareusError
 from kareus.planner.budget import Budget, BudgetError
+
+if TYPE_CHECKING:
+    from kareus.profiler.measure import Protocol
+    from kareus.profiler.profile import Settings
 
 
 class KareusOptionError(KareusError, ValueError):
@@ -25,6 +32,7 @@ class KareusOptions:
     lowering: str = dataclasses.field(
         default="inductor",
         metadata={
+            "plans": False,
             "choices": ("inductor", "eager"),
             "doc": "how each graph is lowered: Inductor code generation, or run op by op",
         },
@@ -52,6 +60,7 @@ class KareusOptions:
     agreement_timeout_s: float = dataclasses.field(
         default=120.0,
         metadata={
+            "plans": False,
             "validate": lambda value: _timeout_problem(value),
             "accepted": "a number of seconds > 0",
             "doc": "how long a rank waits, while compiling a graph, for the other ranks of its "
@@ -61,6 +70,7 @@ class KareusOptions:
     profile: str = dataclasses.field(
         default="auto",
         metadata={
+            "plans": False,
             "choices": ("auto", "off", "refresh"),
             "doc": "search each distinct partition of a rewritten graph for its time-energy "
             "frontier on the device; auto: reuse what the profile store holds, refresh: "
@@ -87,6 +97,7 @@ class KareusOptions:
     cache_dir: str | None = dataclasses.field(
         default=None,
         metadata={
+            "plans": False,
             "validate": lambda value: _directory_problem(value),
             "accepted": "None | a directory path",
             "doc": "where the profile store lives (None: $KAREUS_CACHE_DIR, else "
@@ -133,6 +144,7 @@ class KareusOptions:
     plan: str | None = dataclasses.field(
         default=None,
         metadata={
+            "plans": False,
             "validate": lambda value: _directory_problem(value),
             "accepted": "None | a plan JSON path",
             "doc": "run the choices of a plan kareus wrote (kareus.current_plan(), the cache "
@@ -142,6 +154,7 @@ class KareusOptions:
     verify: bool = dataclasses.field(
         default=False,
         metadata={
+            "plans": False,
             "type": bool,
             "doc": "check the first run of every newly chosen rewrite against the unrewritten "
             "graph (outputs, and so gradients); a mismatch runs that graph unrewritten",
@@ -150,6 +163,7 @@ class KareusOptions:
     explain: bool = dataclasses.field(
         default=False,
         metadata={
+            "plans": False,
             "type": bool,
             "doc": "print a table of the collectives and partitions of every compiled graph",
         },
@@ -187,6 +201,34 @@ class KareusOptions:
     def budget(self) -> Budget:
         """What the plan optimises for (``planner.budget``)."""
         return Budget.parse(self.energy_budget, self.time_budget, self.energy_time_tradeoff)
+
+    def profiling(self, protocol: Protocol) -> Settings:
+        """What the profiler is asked to do, its variants measured under ``protocol``."""
+        from kareus.profiler.profile import Settings
+
+        return Settings(self.profile, self.search_budget, self.seed, self.agreement_timeout_s,
+                        protocol)
+
+    @property
+    def plan_counts(self) -> tuple[int, ...] | None:
+        """The nanobatch counts a plan chooses among (None: each graph's own, "auto")."""
+        return None if self.nanobatches == "auto" else (self.nanobatches,)
+
+    def planning(self) -> dict[str, Any]:
+        """The options that change what a plan chooses (a plan stored under other values of
+        the rest serves)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.metadata.get("plans", True)}
+
+    def plans(self, space: tuple[int, ...], *, policy_in_code: bool = False) -> bool:
+        """Whether a graph whose nanobatch counts are ``space`` is planned: profiling on,
+        no plan given, no chooser or clock given in code, something to choose (a count
+        other than 1, or a budget: with one count and no budget, nothing is asked of the
+        plan), and a count the plan may choose applies to it."""
+        counts = space if self.plan_counts is None else self.plan_counts
+        return (not policy_in_code and self.plan is None and self.profile != "off"
+                and (self.nanobatches != 1 or self.budget.kind != "fastest")
+                and bool(set(counts) & set(space)))
 
     @classmethod
     def from_dict(cls, options: Mapping[str, Any] | None) -> KareusOptions:

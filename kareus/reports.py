@@ -1,4 +1,4 @@
-"""What kareus found in every graph it compiled: plain records, a registry and a table.
+"""What kareus found in every graph it compiled: plain records, a book of them and a table.
 
 Records hold no FX nodes, only names and numbers, so they outlive the graphs and can be
 serialised.
@@ -7,21 +7,29 @@ serialised.
 from __future__ import annotations
 
 import dataclasses
-import sys
+import logging
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+import torch.fx
 from rich.console import Console
 from rich.table import Table
 
-from kareus.devices.base import Measurement
+from kareus.devices.base import Device, Measurement
 from kareus.passes.analyse import GraphAnalysis
 from kareus.passes.collectives import Collective
-from kareus.passes.decide import Decision
+from kareus.passes.decide import Choice, Decision
+from kareus.passes.ops import DEFAULT_CLOCK_MHZ
 from kareus.passes.partition import Slot
 from kareus.passes.placement import per_nanobatch
 from kareus.passes.reasons import Reason
 from kareus.passes.variants import Variant, VariantSpace
 from kareus.profiler.profile import PartitionProfile
+from kareus.profiler.progress import make_console
+
+log = logging.getLogger("kareus")
 
 
 @dataclass(frozen=True)
@@ -86,11 +94,9 @@ class GraphReport:
     device: str
     estimate: Measurement | None  # modelled at its clock (simulated devices only)
     requested: int  # the nanobatch count asked for
-    nanobatches: int  # the count actually applied (1: unrewritten)
+    choice: Choice  # what runs: the count applied (1: unrewritten), its clock, its partitions'
     fallback: Reason | None  # why the requested count did not apply (None: it did)
-    clock_mhz: int  # the clock the graph asks for at its start (0: default clocks)
     variants: VariantSpace
-    variant: Variant | None  # the point of the space that runs (None: unrewritten)
     barriers: tuple[Reason, ...]  # where split regions end, and why
     coverage: Coverage
     profiles: tuple[PartitionProfile, ...] = ()  # frontiers of its distinct partitions
@@ -127,18 +133,92 @@ class GraphReport:
             device=device,
             estimate=estimate,
             requested=decision.requested,
-            nanobatches=decision.variant.nanobatches if decision.variant else 1,
+            choice=decision.choice,
             fallback=decision.reason,
-            clock_mhz=decision.clock_mhz,
             variants=analysis.space,
-            variant=decision.variant,
             barriers=barriers,
             coverage=Coverage(split, len(analysis.collectives), barriers[0] if barriers else None),
             profiles=profiles,
         )
 
+    @property
+    def nanobatches(self) -> int:
+        """The count applied (1: unrewritten)."""
+        return self.choice.nanobatches
+
+    @property
+    def clock_mhz(self) -> int:
+        """The clock the graph asks for at its start (0: default clocks)."""
+        return self.choice.clock_mhz
+
+    @property
+    def variant(self) -> Variant | None:
+        """The point of the space that runs (None: unrewritten)."""
+        return self.choice.variant
+
     def to_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
+
+
+class ReportBook:
+    """One backend's graph reports, numbered in the process's compilation order
+    (``number``: the process-wide counter) and updated where a graph later runs another
+    choice (the plan's, or unrewritten after a failed check)."""
+
+    def __init__(self, number: Callable[[], int], explain: bool = False) -> None:
+        self._number, self._explain = number, explain
+        self._lock = threading.Lock()
+        self._reports: list[tuple[int, GraphReport]] = []
+
+    def add(self, report: GraphReport) -> None:
+        with self._lock:
+            self._reports.append((self._number(), report))
+        log.info(
+            "%s: %d collectives, %d partitions, %d nanobatches%s", report.label,
+            len(report.collectives), len(report.partitions), report.nanobatches,
+            "".join(f"\n  {n}" for n in report.notes),
+        )
+        if report.fallback:
+            log.warning("%s runs unrewritten: %s", report.label, report.fallback)
+        if self._explain:
+            print_report(report)
+
+    def update(self, label: str, notes_added: tuple[str, ...] = (), **changes: Any) -> None:
+        """The latest report of ``label`` with ``changes`` (and more notes)."""
+        with self._lock:
+            for i, (n, report) in reversed(list(enumerate(self._reports))):
+                if report.label == label:
+                    notes = (*report.notes, *notes_added)
+                    self._reports[i] = (n, dataclasses.replace(report, notes=notes, **changes))
+                    return
+
+    def all(self) -> list[GraphReport]:
+        with self._lock:
+            return [r for _, r in self._reports]
+
+    def numbered(self) -> list[tuple[int, GraphReport]]:
+        with self._lock:
+            return list(self._reports)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._reports.clear()
+
+
+def modelled_cost(
+    device: Device, gm: torch.fx.GraphModule, label: str, clock_mhz: int, world_size: int
+) -> tuple[Measurement | None, str | None]:
+    """Modelled time and energy of ``gm`` at its clock (measured there, so its own clock
+    switch stalls nothing) where the device can tell at compile time, or why the graph
+    could not be costed: an estimate never fails a compile."""
+    try:
+        if clock_mhz != DEFAULT_CLOCK_MHZ:
+            costs = device.estimate_at(gm, [clock_mhz], world_size)
+            return (costs[clock_mhz] if costs else None), None
+        return device.estimate(gm, world_size), None
+    except Exception as exc:  # noqa: BLE001 - any model failure is reported, not raised
+        log.warning("%s: %s cannot cost this graph: %s", label, device.name, exc)
+        return None, f"{device.name} cannot cost this graph: {type(exc).__name__}: {exc}"
 
 
 def report_table(report: GraphReport) -> Table:
@@ -198,11 +278,6 @@ def report_table(report: GraphReport) -> Table:
 def _resources(choices: tuple[int | None, ...]) -> str:
     caps = [c for c in choices if c is not None]
     return f"default, {min(caps)}..{max(caps)} CTAs" if caps else "default only"
-
-
-def make_console() -> Console:
-    """A console wide enough for the partition tables, also when output goes to a file."""
-    return Console(width=None if sys.stdout.isatty() else 160)
 
 
 def print_report(report: GraphReport, console: Console | None = None) -> None:

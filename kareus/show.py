@@ -22,8 +22,10 @@ from rich.console import Console
 from rich.table import Table
 
 from kareus.errors import KareusError
+from kareus.passes.ops import DEFAULT_CLOCK_MHZ
 from kareus.planner.budget import Budget
 from kareus.planner.plan import Plan, PlanError
+from kareus.profiler.progress import make_console
 from kareus.profiler.store import (
     APPLICATION_ID,
     FILENAME,
@@ -32,7 +34,6 @@ from kareus.profiler.store import (
     ProfileKey,
     ProfileStore,
 )
-from kareus.reports import make_console
 
 MAX_PLOTS = 12  # subplots of a store's figure: more would be too small to read
 _SQLITE_HEADER = b"SQLite format 3\x00"
@@ -134,9 +135,12 @@ def _plan_table(plan: Plan) -> Table:
     for name in ("graph", "k", "clock MHz", "slots", "resources", "time ms", "eff. energy mJ"):
         table.add_column(name, justify="left" if name == "graph" else "right")
     for g in plan.graphs:
+        c = g.choice
         table.add_row(
-            g.label, str(g.nanobatches), str(g.clock_mhz), ", ".join(map(str, g.slots)),
-            ", ".join("default" if r is None else str(r) for r in g.resources),
+            g.label, str(c.nanobatches),
+            "default" if c.clock_mhz == DEFAULT_CLOCK_MHZ else str(c.clock_mhz),
+            ", ".join(str(slot) for slot, _ in c.partitions),
+            ", ".join("default" if sms is None else str(sms) for _, sms in c.partitions),
             _num(g.time_s * 1e3), _num(g.effective_energy_j * 1e3),
         )
     return table

@@ -10,6 +10,7 @@ from rich.console import Console
 
 from kareus import KareusError
 from kareus.devices.base import Measurement
+from kareus.passes.decide import Choice
 from kareus.planner.budget import Budget
 from kareus.planner.plan import GraphPlan, Plan, StepCost
 from kareus.profiler.store import FILENAME, Knobs, ProfileKey, ProfileStore
@@ -39,8 +40,8 @@ def measurement(time_ms: float, energy_mj: float, clock_mhz: int) -> Measurement
 
 def make_plan() -> Plan:
     graphs = (
-        GraphPlan("region0/forward", "h" * 16, 2, 1410, (1,), (16,), 4e-3, 0.5),
-        GraphPlan("region0/backward", "g" * 16, 1, 1980, (0,), (None,), 8e-3, 1.25),
+        GraphPlan("region0/forward", "h" * 16, Choice(2, 1410, ((1, 16),)), 4e-3, 0.5),
+        GraphPlan("region0/backward", "g" * 16, Choice(1, 1980, ((0, None),)), 8e-3, 1.25),
     )
     return Plan(
         graphs=graphs,

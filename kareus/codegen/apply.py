@@ -1,9 +1,9 @@
-"""Stage 3 of 3 (analyse -> decide -> apply): the graph that runs, from a decision.
+"""Stage 3 of 3 (analyse -> decide -> apply): the graph that runs, from a choice.
 
-``apply`` materialises the decided variant (the k-way rewrite, each collective issued at
+``apply`` materialises the chosen variant (the k-way rewrite, each collective issued at
 its slot, on the process group the runtime created for its resources) and puts the
-decided clock switch at the graph's entry. It returns a new GraphModule and leaves the
-analysed one untouched, so one analysis serves many decisions (a search). Variants of one
+chosen clock's switch at the graph's entry. It returns a new GraphModule and leaves the
+analysed one untouched, so one analysis serves many choices (a search). Variants of one
 count differ only in node order and group names: their k-way graph is emitted and its
 tensor metadata propagated once per analysis and count (``NanobatchRewrite``).
 """
@@ -19,24 +19,24 @@ import torch.fx
 from kareus.codegen.clock_switch import insert_clock_switch
 from kareus.codegen.nanobatch import NanobatchRewrite, Schedule
 from kareus.passes.analyse import GraphAnalysis
-from kareus.passes.decide import Decision
+from kareus.passes.decide import Choice
 
 
 def apply(
     gm: torch.fx.GraphModule,
     analysis: GraphAnalysis,
-    decision: Decision,
+    choice: Choice,
     *,
     groups: Sequence[str | None] | None = None,
 ) -> torch.fx.GraphModule:
-    """``gm`` as ``decision`` says: rewritten into its variant (``CannotRewrite`` if the
+    """``gm`` as ``choice`` says: rewritten into its variant (``CannotRewrite`` if the
     emitter meets what it cannot rewrite) and clocked.
 
     ``groups[p]``: the process group partition ``p``'s collective is issued on (None: the
     graph's own), as the runtime materialised it for the variant's resources after the
     ranks agreed; no group is created here.
     """
-    variant = decision.variant
+    variant = choice.variant
     if variant is None:
         new = _copy(gm)
     else:
@@ -54,7 +54,7 @@ def apply(
                 lambda group: analysis.exclusive.get(group, frozenset()),
             )
         new = analysis.rewrites[k].materialise(Schedule(k, variant.slots, tuple(groups)))
-    insert_clock_switch(new.graph, analysis.label, decision.clock_mhz)
+    insert_clock_switch(new.graph, analysis.label, choice.clock_mhz)
     new.graph.lint()
     new.recompile()
     return new

@@ -1,5 +1,10 @@
 """Stage 2 of 3 (analyse -> decide -> apply): which variant of a graph runs, at which clock.
 
+What runs is one record, a ``Choice``: the nanobatch count, the graph's clock and each
+partition's (launch slot, SMs). Decide, the planner, the plan file, the reports and the
+graphs that switch to the plan's choice at run time all speak it. A ``Decision`` is a
+choice plus why it runs unrewritten where more was asked.
+
 A ``Policy`` is what the backend was asked for (a nanobatch count, a way to choose the
 variant, a clock); ``decide`` turns it and a ``GraphAnalysis`` into a ``Decision`` and
 checks it where it is made: a chooser that returns another count, a slot out of range or
@@ -50,23 +55,71 @@ class Policy:
 
 
 @dataclass(frozen=True)
+class Choice:
+    """What a graph runs: ``nanobatches`` (1: unrewritten), its one clock
+    (``DEFAULT_CLOCK_MHZ``: the device's default clocks) and, per partition, the launch
+    slot of its collective and the SMs it gets (None: the library's default)."""
+
+    nanobatches: int = 1
+    clock_mhz: int = DEFAULT_CLOCK_MHZ
+    partitions: tuple[tuple[int, int | None], ...] = ()
+
+    @classmethod
+    def of(cls, variant: Variant | None, clock_mhz: int = DEFAULT_CLOCK_MHZ) -> Choice:
+        """``variant`` (None: unrewritten) at ``clock_mhz``."""
+        if variant is None:
+            return cls(1, clock_mhz)
+        return cls(variant.nanobatches, clock_mhz,
+                   tuple(zip(variant.slots, variant.resources, strict=True)))
+
+    @property
+    def variant(self) -> Variant | None:
+        """The point of the graph's variant space this runs (None: unrewritten)."""
+        if self.nanobatches == 1:
+            return None
+        return Variant(self.nanobatches, tuple(s for s, _ in self.partitions),
+                       tuple(r for _, r in self.partitions))
+
+    def at(self, clock_mhz: int) -> Choice:
+        return dataclasses.replace(self, clock_mhz=clock_mhz)
+
+    def __str__(self) -> str:
+        clock = "default clocks" if self.clock_mhz == DEFAULT_CLOCK_MHZ else f"{self.clock_mhz} MHz"
+        return f"k={self.nanobatches} at {clock}"
+
+
+@dataclass(frozen=True)
 class Decision:
     requested: int  # the nanobatch count the policy asked for
-    variant: Variant | None  # what runs (None: the graph unrewritten)
-    clock_mhz: int
+    choice: Choice  # what runs
     reason: Reason | None = None  # why it runs unrewritten though more was asked
 
+    @property
+    def variant(self) -> Variant | None:
+        return self.choice.variant
+
+    @property
+    def clock_mhz(self) -> int:
+        return self.choice.clock_mhz
+
     def fallback(self, reason: Reason) -> Decision:
-        """The same request, run unrewritten for ``reason``."""
-        return dataclasses.replace(self, variant=None, reason=reason)
+        """The same request, run unrewritten (at its clock) for ``reason``."""
+        return dataclasses.replace(self, choice=Choice(1, self.clock_mhz), reason=reason)
+
+
+def follow(choice: Choice) -> Policy:
+    """The policy that decides ``choice`` (checked against the graph's space)."""
+    variant = choice.variant
+    return Policy(choice.nanobatches, lambda analysis, k: variant, choice.clock_mhz)
 
 
 def decide(analysis: GraphAnalysis, policy: Policy) -> Decision:
     k = policy.nanobatches
+    unrewritten = Choice(1, policy.clock_mhz)
     if k == 1:
-        return Decision(k, None, policy.clock_mhz)
+        return Decision(k, unrewritten)
     if k in analysis.space.infeasible:
-        return Decision(k, None, policy.clock_mhz, analysis.space.infeasible[k])
+        return Decision(k, unrewritten, analysis.space.infeasible[k])
     variant = policy.chooser(analysis, k)
     try:
         analysis.space.check(variant)
@@ -80,4 +133,4 @@ def decide(analysis: GraphAnalysis, policy: Policy) -> Decision:
             f"{analysis.label} ({analysis.key}): {k} nanobatches were asked for, the chooser "
             f"returned a variant of {variant.nanobatches}"
         )
-    return Decision(k, variant, policy.clock_mhz)
+    return Decision(k, Choice.of(variant, policy.clock_mhz))

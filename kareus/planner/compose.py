@@ -17,35 +17,38 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kareus.passes.decide import Choice
+
 
 @dataclass(frozen=True)
-class Option:
-    """One way to run something: its time, its effective energy and what was chosen."""
+class FrontierPoint:
+    """One way to run something (a partition, a graph, a step so far): its time, its
+    effective energy and what was chosen (a graph's: its ``Choice``)."""
 
     time_s: float
     effective_energy_j: float
     choice: Any = ()
 
 
-def front(options: Iterable[Option]) -> list[Option]:
+def front(options: Iterable[FrontierPoint]) -> list[FrontierPoint]:
     """The options no other is at least as fast and as frugal as, fastest first (of equal
     ones, the first given)."""
-    kept: list[Option] = []
+    kept: list[FrontierPoint] = []
     for o in sorted(options, key=lambda o: (o.time_s, o.effective_energy_j)):
         if not kept or o.effective_energy_j < kept[-1].effective_energy_j:
             kept.append(o)
     return kept
 
 
-def combine(parts: Sequence[Sequence[Option]]) -> list[Option]:
+def combine(parts: Sequence[Sequence[FrontierPoint]]) -> list[FrontierPoint]:
     """The frontier of running every part once, each with one of its options; a
     combination's ``choice`` is the tuple of its parts' choices, in order. A part without
     options makes the whole infeasible (no option)."""
-    combined = [Option(0.0, 0.0, ())]
+    combined = [FrontierPoint(0.0, 0.0, ())]
     for part in parts:
         part_front = front(part)
         combined = front(
-            Option(a.time_s + b.time_s, a.effective_energy_j + b.effective_energy_j,
+            FrontierPoint(a.time_s + b.time_s, a.effective_energy_j + b.effective_energy_j,
                    (*a.choice, b.choice))
             for a in combined
             for b in part_front
@@ -53,18 +56,9 @@ def combine(parts: Sequence[Sequence[Option]]) -> list[Option]:
     return combined
 
 
-@dataclass(frozen=True)
-class GraphChoice:
-    """A graph's plan: its nanobatch count, its one clock and each partition's choice."""
-
-    nanobatches: int
-    clock_mhz: int
-    partitions: tuple[Any, ...]
-
-
-def graph_frontier(
-    variants: Mapping[tuple[int, int], tuple[Option, Sequence[Sequence[Option]]]],
-) -> list[Option]:
+def variants_frontier(
+    variants: Mapping[tuple[int, int], tuple[FrontierPoint, Sequence[Sequence[FrontierPoint]]]],
+) -> list[FrontierPoint]:
     """The frontier of a graph over its (nanobatch count, clock) variants. Each maps to the
     compute outside its partitions at that clock and, per partition occurrence, the options
     measured at that clock; occurrences of one key are separate parts, so repeated layers
@@ -72,9 +66,9 @@ def graph_frontier(
     options = []
     for (k, clock), (outside, partitions) in variants.items():
         for o in combine(partitions):
-            options.append(Option(
+            options.append(FrontierPoint(
                 outside.time_s + o.time_s, outside.effective_energy_j + o.effective_energy_j,
-                GraphChoice(k, clock, o.choice),
+                Choice(k, clock, o.choice),
             ))
     return front(options)
 
@@ -95,7 +89,7 @@ switch: what the device says it costs)."""
 
 
 def step_frontier(
-    graphs: Sequence[Sequence[Option]],
+    graphs: Sequence[Sequence[FrontierPoint]],
     *,
     repeats: int = 1,
     static_power_w: float,
@@ -114,19 +108,19 @@ def step_frontier(
     fronts = [front(g) for g in graphs]
     if not fronts or not all(fronts):
         return []
-    partial: dict[tuple[Hashable, Hashable], list[Option]] = {}
+    partial: dict[tuple[Hashable, Hashable], list[FrontierPoint]] = {}
     for o in fronts[0]:
         key = switch_key(o.choice)
         partial.setdefault((key, key), []).append(
-            Option(o.time_s, o.effective_energy_j, (o.choice,))
+            FrontierPoint(o.time_s, o.effective_energy_j, (o.choice,))
         )
     for options in fronts[1:]:
-        merged: dict[tuple[Hashable, Hashable], list[Option]] = {}
+        merged: dict[tuple[Hashable, Hashable], list[FrontierPoint]] = {}
         for (first, _), plans in partial.items():
             for o in options:
                 for p in plans:
                     seconds, joules = switch(p.choice[-1], o.choice)
-                    merged.setdefault((first, switch_key(o.choice)), []).append(Option(
+                    merged.setdefault((first, switch_key(o.choice)), []).append(FrontierPoint(
                         p.time_s + seconds + o.time_s,
                         p.effective_energy_j + joules + o.effective_energy_j,
                         (*p.choice, o.choice),

@@ -1,4 +1,4 @@
-"""A graph's time-energy options, from its profiled partitions and the device's cost of the rest.
+"""A graph's time-energy frontier, from its profiled partitions and the device's cost of the rest.
 
 For each nanobatch count ``k`` and clock ``f`` the graph is its partitions, each running
 ``k`` times (a nanobatch's compute with another's collective behind it: what a partition
@@ -18,13 +18,20 @@ ranks, ``measure.group_measurement``) is divided by the group's size.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kareus.devices.base import Measurement
+import torch.fx
+
+from kareus.codegen.apply import apply
+from kareus.devices.base import Device, Measurement
 from kareus.passes.analyse import GraphAnalysis
+from kareus.passes.decide import Choice
+from kareus.passes.ops import DEFAULT_CLOCK_MHZ
 from kareus.passes.variants import PartitionChoices, Variant
-from kareus.planner.compose import GraphChoice, Option, front, graph_frontier
+from kareus.planner.compose import FrontierPoint, front, variants_frontier
 from kareus.profiler.profile import PartitionProfile
 from kareus.profiler.search import Config, Point, complete
 
@@ -32,38 +39,52 @@ GraphCost = Callable[[Variant | None, Sequence[int]], dict[int, Measurement] | N
 """(variant, clocks) -> what the graph costs at each clock as that variant (None:
 unrewritten); None where the device cannot tell without running it."""
 
-_FIXED = Option(0.0, 0.0, (0, None))  # a partition nothing is chosen for: earliest slot
+
+
+def device_cost(
+    gm: torch.fx.GraphModule, analysis: GraphAnalysis, device: Device, world_size: int
+) -> GraphCost:
+    """What ``device`` says the graph costs as each variant at each asked clock (its clock
+    switch asks for the default clocks: the clock the device costs it at)."""
+
+    def cost(variant: Variant | None, clocks: Sequence[int]) -> dict[int, Measurement] | None:
+        return device.estimate_at(apply(gm, analysis, Choice.of(variant)), clocks, world_size)
+
+    return cost
+
+
+_FIXED = FrontierPoint(0.0, 0.0, (0, None))  # a partition nothing is chosen for: earliest slot
 
 
 @dataclass(frozen=True)
-class GraphOptions:
+class GraphFrontier:
     """What one graph can cost: its frontier over (k, clock, partition choices), the
     unrewritten graph per clock (frequency only) and at the default clock (the baseline)."""
 
     label: str
     graph_hash: str
-    options: tuple[Option, ...]  # choice: GraphChoice; fastest first
-    frequency_only: tuple[Option, ...]
-    baseline: Option
+    points: tuple[FrontierPoint, ...]  # choice: Choice; fastest first
+    frequency_only: tuple[FrontierPoint, ...]
+    baseline: FrontierPoint
 
 
-def graph_options(
+def graph_frontier(
     analysis: GraphAnalysis,
     profiles: Sequence[PartitionProfile],
     counts: Sequence[int],
     clocks: Sequence[int],
     cost: GraphCost,
-) -> GraphOptions | None:
-    """The options of ``analysis``'s graph at ``counts`` and ``clocks`` (the first is the
+) -> GraphFrontier | None:
+    """The frontier of ``analysis``'s graph at ``counts`` and ``clocks`` (the first is the
     default); None where ``cost`` cannot cost it. The unrewritten graph gives the
-    frequency-only options and the baseline whatever the counts."""
+    frequency-only points and the baseline whatever the counts."""
     unrewritten = cost(None, clocks)
     if unrewritten is None:
         return None
-    single = [Option(m.time_s, m.effective_energy_j, GraphChoice(1, f, ()))
+    single = [FrontierPoint(m.time_s, m.effective_energy_j, Choice(1, f, ()))
               for f, m in unrewritten.items()]
-    variants: dict[tuple[int, int], tuple[Option, list[list[Option]]]] = {
-        (1, f): (Option(m.time_s, m.effective_energy_j), [])
+    variants: dict[tuple[int, int], tuple[FrontierPoint, list[list[FrontierPoint]]]] = {
+        (1, f): (FrontierPoint(m.time_s, m.effective_energy_j), [])
         for f, m in unrewritten.items() if 1 in counts
     }
     known = {(1, ()): unrewritten}
@@ -83,20 +104,34 @@ def graph_options(
                 continue  # a partition with no measurement or prediction at f
             share = [next(o for o in options if o.choice == (0, _default_sms(p)))
                      for options, p in zip(parts, analysis.space.partitions(k))]
-            outside = Option(m.time_s - sum(o.time_s for o in share),
-                             m.effective_energy_j - sum(o.effective_energy_j for o in share))
+            outside = FrontierPoint(
+                m.time_s - sum(o.time_s for o in share),
+                m.effective_energy_j - sum(o.effective_energy_j for o in share),
+            )
             variants[(k, f)] = (outside, parts)
-    return GraphOptions(
-        analysis.label, analysis.key, tuple(_costed(graph_frontier(variants), cost, known)),
-        tuple(front(single)),
-        Option(unrewritten[clocks[0]].time_s, unrewritten[clocks[0]].effective_energy_j,
-               GraphChoice(1, clocks[0], ())),
+    spelled = functools.partial(_default_spelled, default_mhz=clocks[0])
+    baseline = unrewritten[clocks[0]]
+    return GraphFrontier(
+        analysis.label, analysis.key,
+        tuple(map(spelled, _costed(variants_frontier(variants), cost, known))),
+        tuple(map(spelled, front(single))),
+        FrontierPoint(baseline.time_s, baseline.effective_energy_j, Choice(1)),
     )
 
 
+def _default_spelled(point: FrontierPoint, default_mhz: int) -> FrontierPoint:
+    """``point`` with its choice's clock spelled ``DEFAULT_CLOCK_MHZ`` where it is the
+    device's default (the first search clock): the device's costs are keyed by clocks, a
+    choice asks for the default clocks as every graph's clock switch does."""
+    choice = point.choice
+    if choice.clock_mhz != default_mhz:
+        return point
+    return dataclasses.replace(point, choice=choice.at(DEFAULT_CLOCK_MHZ))
+
+
 def _costed(
-    options: Sequence[Option], cost: GraphCost, known: dict[tuple, dict[int, Measurement]]
-) -> list[Option]:
+    options: Sequence[FrontierPoint], cost: GraphCost, known: dict[tuple, dict[int, Measurement]]
+) -> list[FrontierPoint]:
     """The composed frontier, each point replaced by what the device says its whole graph
     costs (one call per distinct variant, at its clocks). Composition finds the candidates;
     its error (clocks a partition was not measured at are predicted, and the rest is a
@@ -107,23 +142,15 @@ def _costed(
     for o in options:
         clocks.setdefault((o.choice.nanobatches, o.choice.partitions), []).append(
             o.choice.clock_mhz)
-    costs = {key: known.get(key) or cost(variant_of(GraphChoice(key[0], 0, key[1])), at)
+    costs = {key: known.get(key) or cost(Choice(key[0], 0, key[1]).variant, at)
              for key, at in clocks.items()}
     costed = []
     for o in options:
         c = o.choice
         m = costs[(c.nanobatches, c.partitions)]
         costed.append(o if m is None else
-                      Option(m[c.clock_mhz].time_s, m[c.clock_mhz].effective_energy_j, c))
+                      FrontierPoint(m[c.clock_mhz].time_s, m[c.clock_mhz].effective_energy_j, c))
     return front(costed)
-
-
-def variant_of(choice: GraphChoice) -> Variant | None:
-    """The rewrite a graph choice runs (None: unrewritten)."""
-    if choice.nanobatches == 1:
-        return None
-    return Variant(choice.nanobatches, tuple(s for s, _ in choice.partitions),
-                   tuple(r for _, r in choice.partitions))
 
 
 def _default_sms(p: PartitionChoices) -> int | None:
@@ -132,7 +159,7 @@ def _default_sms(p: PartitionChoices) -> int | None:
 
 def _partition_options(
     p: PartitionChoices, profiles: Sequence[PartitionProfile], k: int, clocks: Sequence[int]
-) -> dict[int, list[Option]]:
+) -> dict[int, list[FrontierPoint]]:
     """Clock -> the options of partition ``p`` run ``k`` times, per GPU; one fixed option
     at every clock where nothing was chosen for it (its collective is not split, or its
     profile failed: it stays at its earliest slot, costed as part of the rest)."""
@@ -147,10 +174,10 @@ def _partition_options(
         sms = dict(q.knobs.resources)
         config = Config(q.knobs.slot, next(iter(sms.values()), None), q.knobs.clock_mhz)
         measured.append(Point(config, q.time_s, q.effective_energy_j, q.effective_energy_j))
-    options: dict[int, list[Option]] = {}
+    options: dict[int, list[FrontierPoint]] = {}
     for point in complete(measured, clocks):
         c = point.config
-        options.setdefault(c.clock_mhz, []).append(Option(
+        options.setdefault(c.clock_mhz, []).append(FrontierPoint(
             k * point.time_s, k * point.effective_energy_j / profile.group_size,
             (c.slot, c.sms),
         ))

@@ -1,6 +1,6 @@
 """The plan: which variant and clock each graph of a training step runs, and why.
 
-A plan is made from the step's graph options (``planner.graph``) and the user's budget
+A plan is made from the step's graph frontiers (``planner.graph``) and the user's budget
 (``planner.budget``) once every graph of the step has been compiled; it is written as JSON
 (every choice, the predicted step time and energy, the step frontier, the frequency-only
 frontier and the baseline, the device, the options, the graph hashes, the kareus version)
@@ -20,11 +20,12 @@ from typing import Any
 
 from kareus.devices.base import Device
 from kareus.errors import KareusError
+from kareus.passes.decide import Choice
 from kareus.planner.budget import Budget, choose
-from kareus.planner.compose import GraphChoice, StepPoint, step_frontier
-from kareus.planner.graph import GraphOptions
+from kareus.planner.compose import StepPoint, step_frontier
+from kareus.planner.graph import GraphFrontier
 
-PLAN_SCHEMA = 1
+PLAN_SCHEMA = 2  # 2: a graph's choice is one record, the default clock spelled 0
 
 
 class PlanError(KareusError, ValueError):
@@ -37,17 +38,19 @@ class GraphPlan:
 
     label: str
     graph_hash: str
-    nanobatches: int
-    clock_mhz: int
-    slots: tuple[int, ...]
-    resources: tuple[int | None, ...]
+    choice: Choice
     time_s: float
     effective_energy_j: float
 
-    @property
-    def choice(self) -> GraphChoice:
-        return GraphChoice(self.nanobatches, self.clock_mhz,
-                           tuple(zip(self.slots, self.resources, strict=True)))
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> GraphPlan:
+        c = raw["choice"]
+        if not isinstance(c, Mapping):
+            raise TypeError(f"a graph's choice is {type(c).__name__}, not an object")
+        choice = Choice(c["nanobatches"], c["clock_mhz"],
+                        tuple((slot, sms) for slot, sms in c["partitions"]))
+        return cls(raw["label"], raw["graph_hash"], choice, raw["time_s"],
+                   raw["effective_energy_j"])
 
 
 @dataclass(frozen=True)
@@ -121,13 +124,12 @@ class Plan:
             raw = json.loads(text)
             if raw.get("schema") != PLAN_SCHEMA:
                 raise PlanError(
-                    f"{source}: plan schema {raw.get('schema')!r}; this kareus reads "
-                    f"schema {PLAN_SCHEMA}"
+                    f"{source}: plan schema {raw.get('schema')!r}, made by another kareus "
+                    f"(this one reads schema {PLAN_SCHEMA}); make a new plan: run without "
+                    "the plan option, with the same options, and use the plan it stores"
                 )
             return cls(
-                graphs=tuple(GraphPlan(**{**g, "slots": tuple(g["slots"]),
-                                          "resources": tuple(g["resources"])})
-                             for g in raw["graphs"]),
+                graphs=tuple(GraphPlan.from_dict(g) for g in raw["graphs"]),
                 predicted=StepCost(**raw["predicted"]),
                 baseline=StepCost(**raw["baseline"]),
                 frontier=tuple(StepCost(**p) for p in raw["frontier"]),
@@ -151,7 +153,7 @@ class Plan:
 
 
 def make_plan(
-    graphs: Sequence[GraphOptions],
+    graphs: Sequence[GraphFrontier],
     budget: Budget,
     device: Device,
     options: Mapping[str, Any],
@@ -164,7 +166,7 @@ def make_plan(
     the frequency-only frontier beside it."""
     static_w = device.static_power_w
 
-    def switch(a: GraphChoice, b: GraphChoice) -> tuple[float, float]:
+    def switch(a: Choice, b: Choice) -> tuple[float, float]:
         # A stall: time at static power, no effective energy.
         return (device.clock_switch_s if a.clock_mhz != b.clock_mhz else 0.0), 0.0
 
@@ -172,7 +174,7 @@ def make_plan(
         return step_frontier(per_graph, repeats=microbatches, static_power_w=static_w,
                              switch=switch, switch_key=lambda c: c.clock_mhz)
 
-    step = frontier([g.options for g in graphs])
+    step = frontier([g.points for g in graphs])
     base_time = microbatches * sum(g.baseline.time_s for g in graphs)
     base_effective = microbatches * sum(g.baseline.effective_energy_j for g in graphs)
     baseline = StepPoint(base_time, base_effective + static_w * base_time, base_effective,
@@ -180,12 +182,9 @@ def make_plan(
     chosen = choose(step, baseline, budget, device.power_limit_w or 0.0)
     entries = []
     for g, c in zip(graphs, chosen.graphs, strict=True):
-        option = next(o for o in g.options if o.choice == c)
-        entries.append(GraphPlan(
-            g.label, g.graph_hash, c.nanobatches, c.clock_mhz,
-            tuple(s for s, _ in c.partitions), tuple(r for _, r in c.partitions),
-            option.time_s, option.effective_energy_j,
-        ))
+        point = next(o for o in g.points if o.choice == c)
+        entries.append(GraphPlan(g.label, g.graph_hash, c, point.time_s,
+                                 point.effective_energy_j))
     return Plan(
         graphs=tuple(entries),
         predicted=StepCost(chosen.time_s, chosen.energy_j),

@@ -7,7 +7,7 @@ or the plan an earlier run with the same options stored in the cache directory),
 provisional one from its own options under the budget. Once every forward has its
 backward, the step is planned; the ranks agree on the plan through the store, it is
 stored, and every graph runs its planned choice from its next call on
-(``SelectableGraph``), compiling it then if it is not the one it started with. A second
+(``runtime.selectable``), compiling it then if it is not the one it started with. A second
 run with the same options finds the stored plan, so it compiles only what runs.
 """
 
@@ -16,51 +16,143 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kareus.devices.base import Device
+from kareus.passes.analyse import GraphAnalysis
+from kareus.passes.decide import Choice
 from kareus.planner.budget import Budget, BudgetError
-from kareus.planner.compose import GraphChoice
-from kareus.planner.graph import GraphOptions
+from kareus.planner.graph import GraphCost, GraphFrontier, graph_frontier
 from kareus.planner.plan import Plan, PlanError, make_plan
+from kareus.profiler.profile import PartitionProfile
+from kareus.runtime.agreement import agree
 
 log = logging.getLogger("kareus")
-
-# Options that do not change what a plan chooses: a stored plan made under others serves.
-_NOT_PLANNING = frozenset({"cache_dir", "plan", "profile", "verify", "explain",
-                           "agreement_timeout_s", "lowering"})
 
 
 @dataclass(frozen=True)
 class _Graph:
     kind: str  # "forward" | "backward" | "inference"
     region: int
-    options: GraphOptions
+    frontier: GraphFrontier
     groups: tuple[str, ...]  # the process groups of its collectives
 
 
 class StepPlanner:
-    """The step's graphs as they compile (one per label, the last compiled), and its plan."""
+    """The step's graphs as they compile (one per label, the last compiled), and its plan.
+
+    ``options``: all the backend's options (recorded in the plan); ``planning``: those that
+    change what a plan chooses, which name the plan stored for the next run; ``counts``:
+    the nanobatch counts a graph may be planned at (None: each graph's own).
+    """
 
     def __init__(
-        self, options: Mapping[str, Any], budget: Budget, device: Device, kareus_version: str,
-        plans_dir: Path, given: Plan | None = None,
+        self,
+        options: Mapping[str, Any],
+        planning: Mapping[str, Any],
+        budget: Budget,
+        device: Device,
+        kareus_version: str,
+        plans_dir: Path,
+        *,
+        counts: tuple[int, ...] | None,
+        microbatches: int = 1,
+        timeout_s: float,
+        given: Plan | None = None,
+        publish: Callable[[Plan], None] = lambda plan: None,
     ) -> None:
         self.options, self.budget, self.device = dict(options), budget, device
-        self.kareus_version = kareus_version
+        self.kareus_version, self.counts = kareus_version, counts
+        self.microbatches, self.timeout_s, self.publish = microbatches, timeout_s, publish
         self.plan: Plan | None = given
-        planning = {k: v for k, v in sorted(self.options.items()) if k not in _NOT_PLANNING}
         digest = hashlib.sha256(json.dumps(
-            [planning, device.identity, device.model_version, kareus_version], default=str,
+            [dict(sorted(planning.items())), device.identity, device.model_version,
+             kareus_version], default=str,
         ).encode()).hexdigest()[:16]
         self.path = plans_dir / f"{digest}.json"
         self._stored: Plan | None = None
         self._graphs: dict[str, _Graph] = {}
+        if given is not None:
+            publish(given)
 
-    def initial_choice(self, graph: GraphOptions, kind: str) -> tuple[GraphChoice, str]:
+    def graph_counts(self, analysis: GraphAnalysis) -> tuple[int, ...]:
+        """The nanobatch counts the plan may choose for ``analysis``'s graph."""
+        return analysis.space.nanobatches if self.counts is None else self.counts
+
+    def choose(
+        self,
+        analysis: GraphAnalysis,
+        profiles: Sequence[PartitionProfile],
+        cost: GraphCost,
+        *,
+        region: int,
+        compile_key: str,
+    ) -> tuple[Choice | None, str | None]:
+        """The plan's choice for this graph from its frontier (its profiles composed with
+        ``cost``, the device's cost of the whole graph), planning the step when this graph
+        completes it, and a note on where the choice comes from; (None, why) where the
+        graph cannot be planned (it runs as the options say)."""
+        frontier, why_not = self._frontier(analysis, profiles, cost)
+        if frontier is None:
+            return None, why_not
+        groups = tuple(sorted({c.group_name for c in analysis.collectives}))
+        self._graphs[frontier.label] = _Graph(analysis.kind, region, frontier, groups)
+        if self.complete():
+            self._plan_step(compile_key)
+        choice, source = self.initial_choice(frontier, analysis.kind)
+        return choice, f"planned: {choice} ({source})"
+
+    def given_choice(self, analysis: GraphAnalysis) -> tuple[Choice | None, str]:
+        """The given plan's choice for this graph (a ``PlanError`` where it was made for
+        another graph of its kind)."""
+        assert self.plan is not None
+        entry = self.plan.match(analysis.label, analysis.key, analysis.kind)
+        source = self.options.get("plan")
+        if entry is None:
+            return None, f"not in the plan {source}: runs as the options say"
+        return entry.choice, f"choice from the plan {source}"
+
+    def _frontier(
+        self, analysis: GraphAnalysis, profiles: Sequence[PartitionProfile], cost: GraphCost
+    ) -> tuple[GraphFrontier | None, str | None]:
+        device = self.device
+        try:
+            frontier = graph_frontier(analysis, profiles, self.graph_counts(analysis),
+                                      device.search_clocks(), cost)
+        except Exception as exc:  # noqa: BLE001 - a graph that cannot be planned still runs
+            log.warning("%s: not planned: %s: %s", analysis.label, type(exc).__name__, exc)
+            return None, f"not planned: {type(exc).__name__}: {exc}"
+        if frontier is None:
+            why = (f"not planned: {device.name} cannot cost a whole graph without running it; "
+                   "runs as the options say at the default clock")
+            log.warning("%s: %s", analysis.label, why)  # the budget asked for goes unmet
+            return None, why
+        if not frontier.points:
+            return None, "not planned: no variant of the graph could be costed at any clock"
+        return frontier, None
+
+    def _plan_step(self, compile_key: str) -> None:
+        """Plan the step (a ``BudgetError`` where no plan meets the budget) and run it once
+        every rank of the step's collectives made the same plan."""
+        plan = self.make()
+        verdict = agree(f"{compile_key}/plan", plan.digest, self.groups(),
+                        timeout_s=self.timeout_s)
+        if not verdict:
+            log.warning("the ranks made different plans (%s); each graph keeps its choice",
+                        verdict.reason)
+            return
+        self.adopt(plan)
+        log.info(
+            "kareus plan: %.4g s, %.4g J per step and GPU (baseline %.4g s, %.4g J); %s",
+            plan.predicted.time_s, plan.predicted.energy_j, plan.baseline.time_s,
+            plan.baseline.energy_j,
+            ", ".join(f"{g.label} {g.choice}" for g in plan.graphs),
+        )
+
+    def initial_choice(self, graph: GraphFrontier, kind: str) -> tuple[Choice, str]:
         """The choice ``graph`` starts with, and where it comes from: this step's plan, the
         one an earlier run stored (matched by graph hash), else a provisional one."""
         entry, source = None, ""
@@ -68,7 +160,7 @@ class StepPlanner:
             entry, source = self.plan.graph_like(graph.graph_hash, kind), "the plan"
         if entry is None and self.stored is not None:
             entry, source = self.stored.graph_like(graph.graph_hash, kind), "the stored plan"
-        if entry is not None and any(o.choice == entry.choice for o in graph.options):
+        if entry is not None and any(o.choice == entry.choice for o in graph.points):
             return entry.choice, source
         try:
             chosen = make_plan([graph], self._alone(self.budget), self.device, self.options,
@@ -88,9 +180,6 @@ class StepPlanner:
                 log.warning("ignoring the stored plan: %s", exc)
         return self._stored
 
-    def add(self, kind: str, region: int, graph: GraphOptions, groups: tuple[str, ...]) -> None:
-        self._graphs[graph.label] = _Graph(kind, region, graph, groups)
-
     def complete(self) -> bool:
         """Whether the step is known: every forward has its backward."""
         kinds = [(g.kind, g.region) for g in self._graphs.values()]
@@ -107,12 +196,13 @@ class StepPlanner:
         graphs = sorted(self._graphs.values(),
                         key=lambda g: (order[g.kind], g.region if g.kind != "backward"
                                        else -g.region))
-        return make_plan([g.options for g in graphs], self.budget, self.device, self.options,
-                         self.kareus_version, self.options.get("microbatches", 1))
+        return make_plan([g.frontier for g in graphs], self.budget, self.device, self.options,
+                         self.kareus_version, self.microbatches)
 
     def adopt(self, plan: Plan, store: bool = True) -> None:
         """Run ``plan`` from now on (and store it for the next run)."""
         self.plan = plan
+        self.publish(plan)
         if store:
             try:
                 plan.save(self.path)
@@ -123,50 +213,3 @@ class StepPlanner:
         """What a budget asks of one graph planned alone: a fraction of its own baseline,
         a trade-off as is; an absolute amount is the step's, so the fastest for now."""
         return budget if budget.value is None or budget.kind == "tradeoff" else Budget("fastest")
-
-
-Run = Callable[[list[Any]], Any]
-
-
-class SelectableGraph:
-    """A compiled graph that runs what the plan chooses for it, from its next call on.
-
-    ``build(choice, args)`` compiles a choice (with the call's inputs as examples);
-    ``verify(choice, args, run)``, when set, runs a newly chosen rewrite's first call
-    against the unrewritten graph and returns the outputs and what runs from then on.
-    A boxed callable, as Inductor's: it takes its inputs as one list and may clear it.
-    """
-
-    def __init__(
-        self,
-        label: str,
-        graph_hash: str,
-        choice: GraphChoice,
-        run: Run,
-        build: Callable[[GraphChoice, list[Any]], Run],
-        current_plan: Callable[[], Plan | None],
-        verify: Callable[[GraphChoice, list[Any], Run], tuple[Any, Run]] | None = None,
-    ) -> None:
-        self._boxed_call = True  # an instance attribute: wrappers copy __dict__, not the class
-        self.label, self.graph_hash, self.choice = label, graph_hash, choice
-        self._run, self._build, self._current_plan, self._verify = run, build, current_plan, verify
-        self._plan: Plan | None = None
-        self._unverified = verify is not None and choice.nanobatches > 1
-
-    def __call__(self, args: list[Any]) -> Any:
-        plan = self._current_plan()
-        if plan is not None and plan is not self._plan:
-            self._plan = plan
-            entry = next((g for g in plan.graphs if g.label == self.label
-                          and g.graph_hash == self.graph_hash), None)
-            if entry is not None and entry.choice != self.choice:
-                log.info("%s: switching to the plan's choice %s", self.label, entry.choice)
-                self._run = self._build(entry.choice, args)
-                self.choice = entry.choice
-                self._unverified = self._verify is not None and entry.choice.nanobatches > 1
-        if self._unverified:
-            self._unverified = False
-            outputs, self._run = self._verify(self.choice, args, self._run)
-            return outputs
-        return self._run(args)
-

@@ -51,7 +51,7 @@ class Settings:
 
 
 @dataclass(frozen=True)
-class FrontierPoint:
+class ProfilePoint:
     knobs: Knobs
     time_s: float
     energy_j: float
@@ -71,12 +71,12 @@ class PartitionProfile:
     evaluations: int  # configurations the search looked at
     measured: int  # of which measured now (the rest came from the store)
     stopped: str  # search.SearchResult.stopped, or "failed"
-    frontier: tuple[FrontierPoint, ...]
-    effective_frontier: tuple[FrontierPoint, ...]
+    frontier: tuple[ProfilePoint, ...]
+    effective_frontier: tuple[ProfilePoint, ...]
     device: str
     model_version: str | None
     error: str | None = None
-    points: tuple[FrontierPoint, ...] = ()  # every evaluation, in the order it was made
+    points: tuple[ProfilePoint, ...] = ()  # every evaluation, in the order it was made
     group_size: int = 1  # the ranks whose GPUs time and energy add up (``group_measurement``)
 
 
@@ -290,9 +290,9 @@ class _Search:
         return Knobs(config.slot, resources, config.clock_mhz, self.k)
 
     def _profile(self, result: SearchResult | None, error: str | None = None) -> PartitionProfile:
-        def records(points: list[Point]) -> tuple[FrontierPoint, ...]:
+        def records(points: list[Point]) -> tuple[ProfilePoint, ...]:
             return tuple(
-                FrontierPoint(self._knobs(p.config), p.time_s, p.energy_j, p.effective_energy_j)
+                ProfilePoint(self._knobs(p.config), p.time_s, p.energy_j, p.effective_energy_j)
                 for p in points
             )
 

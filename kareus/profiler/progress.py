@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING
@@ -15,6 +16,11 @@ from kareus.profiler.search import Point, pareto
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self from Python 3.11
+
+
+def make_console() -> Console:
+    """A console wide enough for the partition tables, also when output goes to a file."""
+    return Console(width=None if sys.stdout.isatty() else 160)
 
 
 class ProfilingProgress:

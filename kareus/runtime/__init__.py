@@ -2,8 +2,8 @@
 
 A physical GPU has one clock, whichever backend's graphs run on it; NCCL sub-communicators
 are created once per (group, cap) in the order all ranks agreed; the n-th compile of a
-graph pairs with the n-th on other ranks. ``process_runtime()`` is the one owner of these;
-backends hold policy, never this.
+graph pairs with the n-th on other ranks; reports and regions are numbered across every
+backend. ``process_runtime()`` is the one owner of these; backends hold policy, never this.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from kareus.devices.base import ClockController
 from kareus.runtime.agreement import CompileCounter
 from kareus.runtime.clock import ClockRouter
 from kareus.runtime.communicators import Communicators
+from kareus.runtime.registry import BackendRegistry
 
 if TYPE_CHECKING:
     from kareus.devices.base import Device
@@ -27,6 +28,7 @@ class ProcessRuntime:
     clocks: ClockRouter = field(default_factory=ClockRouter)
     communicators: Communicators = field(default_factory=Communicators)
     compiles: CompileCounter = field(default_factory=CompileCounter)
+    backends: BackendRegistry = field(default_factory=BackendRegistry)
     _devices: dict[str, Device] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 

@@ -12,7 +12,7 @@ from torch.testing import FileCheck
 from kareus import KareusError, ReasonKind
 from kareus.codegen.apply import apply
 from kareus.passes.analyse import analyse
-from kareus.passes.decide import Decision, DecisionError, Policy, decide
+from kareus.passes.decide import Choice, Decision, DecisionError, Policy, decide
 from kareus.passes.variants import Variant
 
 TOKENS = (4, 16)
@@ -56,7 +56,7 @@ def test_each_count_gets_its_own_placements_and_choices(fake_pg):
 def test_decide_checks_what_the_policy_returns(forward):
     _, a = forward
     n = len(a.partitioning.partitions)
-    assert decide(a, Policy(1)) == Decision(1, None, 0)
+    assert decide(a, Policy(1)) == Decision(1, Choice(1, 0))
     assert decide(a, Policy(2)).variant == Variant(2, (0,) * n, (None,) * n)
     bad = [
         (lambda a, k: Variant(4, (0,) * n, (None,) * n), "2 nanobatches were asked for"),
@@ -78,7 +78,7 @@ def test_decide_checks_what_the_policy_returns(forward):
 def test_apply_clocks_a_copy_and_leaves_the_analysed_graph(forward):
     g, a = forward
     before = g.gm.code
-    plain = apply(g.gm, a, decide(a, Policy(clock_mhz=1410)))
+    plain = apply(g.gm, a, decide(a, Policy(clock_mhz=1410)).choice)
     assert g.gm.code == before
     FileCheck().check("torch.ops.kareus.set_clock.default('forward', 1410)").check(
         "torch.ops.aten.embedding"
@@ -95,7 +95,8 @@ def test_apply_issues_each_nanobatch_collective_at_its_slot(forward):
         out = apply(
             g.gm,
             a,
-            decide(a, Policy(2, lambda a, k: Variant(2, tuple(slots), (None,) * len(slots)))),
+            decide(a, Policy(2, lambda a, k: Variant(2, tuple(slots), (None,) * len(slots))))
+            .choice,
         )
         FileCheck().check_count("_c10d_functional.all_reduce.default", 10, exactly=True).run(
             out.code
@@ -118,10 +119,10 @@ def test_apply_issues_on_the_groups_the_runtime_gives(forward):
     decision = decide(a, Policy(2))
     groups = [None] * len(decision.variant.slots)
     groups[1] = "capped-group"
-    out = apply(g.gm, a, decision, groups=groups)
+    out = apply(g.gm, a, decision.choice, groups=groups)
     FileCheck().check_count("'capped-group'", 2, exactly=True).run(out.code)
     # the cached k-way graph serves the next variant without touching the first
-    assert "capped-group" not in apply(g.gm, a, decision).code
+    assert "capped-group" not in apply(g.gm, a, decision.choice).code
 
 
 def test_the_key_tells_group_sizes_apart():

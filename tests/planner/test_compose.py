@@ -5,14 +5,16 @@ import random
 
 import pytest
 
+from kareus.passes.decide import Choice
 from kareus.planner.compose import (
-    GraphChoice,
-    Option,
+    FrontierPoint,
     combine,
     front,
-    graph_frontier,
     step_frontier,
+    variants_frontier,
 )
+
+P = FrontierPoint
 
 
 def brute_front(options):
@@ -25,7 +27,7 @@ def brute_front(options):
 
 
 def random_part(rng, n, name):
-    return [Option(rng.randint(1, 30), rng.randint(1, 30), f"{name}{i}") for i in range(n)]
+    return [FrontierPoint(rng.randint(1, 30), rng.randint(1, 30), f"{name}{i}") for i in range(n)]
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -33,7 +35,7 @@ def test_combining_parts_matches_every_combination(seed):
     rng = random.Random(seed)
     parts = [random_part(rng, rng.randint(1, 6), name) for name in "abcd"]
     every = [
-        Option(sum(o.time_s for o in combo), sum(o.effective_energy_j for o in combo),
+        FrontierPoint(sum(o.time_s for o in combo), sum(o.effective_energy_j for o in combo),
                tuple(o.choice for o in combo))
         for combo in itertools.product(*parts)
     ]
@@ -46,12 +48,12 @@ def test_combining_parts_matches_every_combination(seed):
 
 
 def test_a_part_without_options_leaves_nothing():
-    assert combine([[Option(1, 1)], []]) == []
+    assert combine([[FrontierPoint(1, 1)], []]) == []
     assert front([]) == []
 
 
 def test_repeated_layers_may_take_different_points():
-    layer = [Option(1, 10, "fast"), Option(2, 4, "slow")]
+    layer = [FrontierPoint(1, 10, "fast"), FrontierPoint(2, 4, "slow")]
     combined = combine([layer, layer])
     assert [(o.time_s, o.effective_energy_j) for o in combined] == [(2, 20), (3, 14), (4, 8)]
     assert combined[1].choice in (("fast", "slow"), ("slow", "fast"))
@@ -59,20 +61,20 @@ def test_repeated_layers_may_take_different_points():
 
 def test_the_graph_frontier_spans_clocks_and_counts():
     variants = {
-        (2, 1410): (Option(5, 50), [[Option(1, 10, "p0@1410")], [Option(2, 20, "p1@1410")]]),
-        (2, 1200): (Option(6, 40), [[Option(1.2, 8, "p0@1200")], [Option(2.4, 16, "p1@1200")]]),
-        (4, 1410): (Option(5, 60), [[Option(0.5, 12, "x")], [Option(1, 30, "y")]]),
-        (2, 900): (Option(9, 10), [[Option(2, 5, "z")], []]),  # p1 unmeasured at 900
+        (2, 1410): (P(5, 50), [[P(1, 10, "p0@1410")], [P(2, 20, "p1@1410")]]),
+        (2, 1200): (P(6, 40), [[P(1.2, 8, "p0@1200")], [P(2.4, 16, "p1@1200")]]),
+        (4, 1410): (P(5, 60), [[P(0.5, 12, "x")], [P(1, 30, "y")]]),
+        (2, 900): (P(9, 10), [[P(2, 5, "z")], []]),  # p1 unmeasured at 900
     }
-    frontier = graph_frontier(variants)
+    frontier = variants_frontier(variants)
     assert [(o.choice.nanobatches, o.choice.clock_mhz) for o in frontier] == [
         (4, 1410), (2, 1410), (2, 1200)]
-    assert frontier[1] == Option(8, 80, GraphChoice(2, 1410, ("p0@1410", "p1@1410")))
+    assert frontier[1] == FrontierPoint(8, 80, Choice(2, 1410, ("p0@1410", "p1@1410")))
 
 
 def test_the_step_adds_switches_and_static_energy_once():
-    forward = [Option(1.0, 10.0, 1410), Option(1.5, 7.0, 1200)]
-    backward = [Option(2.0, 20.0, 1410), Option(3.0, 14.0, 1200)]
+    forward = [FrontierPoint(1.0, 10.0, 1410), FrontierPoint(1.5, 7.0, 1200)]
+    backward = [FrontierPoint(2.0, 20.0, 1410), FrontierPoint(3.0, 14.0, 1200)]
 
     def switch(a, b):
         return (0.1, 0.5) if a != b else (0.0, 0.0)

@@ -1,4 +1,4 @@
-"""A graph's options from its profiled partitions and the device's cost of whole graphs."""
+"""A graph's frontier from its profiled partitions and the device's cost of whole graphs."""
 
 import pytest
 import torch
@@ -6,9 +6,10 @@ from conftest import analysed, tp_llama
 
 from kareus.codegen.apply import apply
 from kareus.devices import SimulatedGPU
-from kareus.passes.decide import Decision
+from kareus.passes.decide import Choice
+from kareus.passes.ops import DEFAULT_CLOCK_MHZ
 from kareus.planner.compose import front
-from kareus.planner.graph import _partition_options, graph_options, variant_of
+from kareus.planner.graph import _partition_options, graph_frontier
 from kareus.profiler.profile import Settings, profile_graph
 from kareus.profiler.store import ProfileStore
 
@@ -24,28 +25,28 @@ def planned(fake_pg, tmp_path):
 
     def cost(variant, at):
         costed.append((variant, tuple(at)))
-        k = variant.nanobatches if variant else 1
-        return gpu.estimate_at(apply(g.gm, analysis, Decision(k, variant, 0)), at, 2)
+        return gpu.estimate_at(apply(g.gm, analysis, Choice.of(variant)), at, 2)
 
-    options = graph_options(analysis, profiles, (1, 2), clocks, cost)
-    return g, analysis, gpu, profiles, options, costed
+    frontier = graph_frontier(analysis, profiles, (1, 2), clocks, cost)
+    return g, analysis, gpu, profiles, frontier, costed
 
 
-def test_every_option_is_what_the_device_says_its_whole_graph_costs(planned):
-    g, analysis, gpu, _, options, _ = planned
-    assert options.options == tuple(front(options.options))  # a Pareto set, fastest first
-    for o in options.options:
+def test_every_point_is_what_the_device_says_its_whole_graph_costs(planned):
+    g, analysis, gpu, _, frontier, _ = planned
+    assert frontier.points == tuple(front(frontier.points))  # a Pareto set, fastest first
+    default = gpu.search_clocks()[0]
+    for o in frontier.points:
         c = o.choice
-        k = c.nanobatches
-        graph = apply(g.gm, analysis, Decision(k, variant_of(c), 0))
-        m = gpu.estimate_at(graph, [c.clock_mhz], 2)[c.clock_mhz]
+        assert c.clock_mhz != default  # the default clock has one spelling
+        clock = default if c.clock_mhz == DEFAULT_CLOCK_MHZ else c.clock_mhz
+        graph = apply(g.gm, analysis, c.at(DEFAULT_CLOCK_MHZ))
+        m = gpu.estimate_at(graph, [clock], 2)[clock]
         assert (o.time_s, o.effective_energy_j) == (m.time_s, m.effective_energy_j)
     # nothing unrewritten at some clock beats the frontier
-    for single in options.frequency_only:
+    for single in frontier.frequency_only:
         assert any(o.time_s <= single.time_s and o.effective_energy_j <= single.effective_energy_j
-                   for o in options.options)
-    base = options.baseline
-    assert (base.choice.nanobatches, base.choice.clock_mhz) == (1, gpu.search_clocks()[0])
+                   for o in frontier.points)
+    assert frontier.baseline.choice == Choice(1, DEFAULT_CLOCK_MHZ)
 
 
 def test_the_graph_is_costed_whole_only_at_the_default_variant_and_the_frontier(planned):

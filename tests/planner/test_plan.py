@@ -1,20 +1,22 @@
-"""The plan: made from graph options under a budget, written as JSON, read back, matched."""
+"""The plan: made from graph frontiers under a budget, written as JSON, read back, matched."""
 
 import json
+from pathlib import Path
 
 import pytest
 
 from kareus.devices import SimulatedGPU
+from kareus.passes.decide import Choice
 from kareus.planner.budget import Budget, BudgetError
-from kareus.planner.compose import GraphChoice, Option
-from kareus.planner.graph import GraphOptions
+from kareus.planner.compose import FrontierPoint
+from kareus.planner.graph import GraphFrontier
 from kareus.planner.plan import Plan, PlanError, make_plan
 
 
 def _graph(label, key, points):
-    options = tuple(Option(t, e, GraphChoice(k, f, parts)) for t, e, k, f, parts in points)
-    single = tuple(o for o in options if o.choice.nanobatches == 1)
-    return GraphOptions(label, key, options, single, single[0])
+    frontier = tuple(FrontierPoint(t, e, Choice(k, f, parts)) for t, e, k, f, parts in points)
+    single = tuple(o for o in frontier if o.choice.nanobatches == 1)
+    return GraphFrontier(label, key, frontier, single, single[0])
 
 
 FORWARD = _graph("r0/forward", "f" * 16, [
@@ -41,8 +43,8 @@ def test_a_plan_round_trips_through_json(gpu, tmp_path):
     # least energy within 1.2 x the baseline's time; a clock switch between the graphs
     # costs what the device says
     assert plan.predicted.time_s <= 1.2 * plan.baseline.time_s
-    assert {(g.nanobatches, g.clock_mhz) for g in plan.graphs} <= {(2, 1410), (2, 1200),
-                                                                    (1, 1200), (1, 1410)}
+    assert {(g.choice.nanobatches, g.choice.clock_mhz) for g in plan.graphs} <= {
+        (2, 1410), (2, 1200), (1, 1200), (1, 1410)}
     assert plan.predicted.energy_j == min(p.energy_j for p in plan.frontier
                                           if p.time_s <= 1.2 * plan.baseline.time_s)
 
@@ -76,8 +78,9 @@ def test_an_unmet_budget_states_the_range(gpu):
 
 @pytest.mark.parametrize("text, match", [
     ("{", "not a kareus plan"),
-    ('{"schema": 99}', "plan schema 99; this kareus reads schema 1"),
-    ('{"schema": 1, "graphs": []}', "not a kareus plan"),
+    ('{"schema": 99}', "plan schema 99, made by another kareus .this one reads schema 2"),
+    ('{"schema": 2, "graphs": []}', "not a kareus plan"),
+    ('{"schema": 2, "graphs": [{"choice": 3}]}', "a graph's choice is int, not an object"),
 ])
 def test_a_damaged_plan_file_is_refused(tmp_path, text, match):
     path = tmp_path / "plan.json"
@@ -86,3 +89,13 @@ def test_a_damaged_plan_file_is_refused(tmp_path, text, match):
         Plan.load(path)
     with pytest.raises(PlanError, match="cannot read the plan"):
         Plan.load(tmp_path / "missing.json")
+
+
+def test_a_plan_written_before_choices_were_one_record_is_refused_with_what_to_do():
+    """data/plan-schema1.json was written by kareus 0.1.0 before a graph's choice became
+    one record (schema 1: nanobatches, clock_mhz, slots and resources side by side, the
+    default clock spelled as the device's first search clock)."""
+    path = Path(__file__).parent / "data" / "plan-schema1.json"
+    with pytest.raises(PlanError, match="plan schema 1, made by another kareus .* make a new "
+                       "plan: run without the plan option"):
+        Plan.load(path)

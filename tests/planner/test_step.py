@@ -75,7 +75,7 @@ def test_the_step_plan_meets_its_budget_and_the_forward_switches_to_it(fake_pg, 
     assert plan is backend.planner.plan and plan.budget.kind == "time"
     assert plan.predicted.time_s <= budget_ms / 1e3
     assert plan.predicted.energy_j < baseline.energy_j  # slower, for less energy
-    clock = {g.label: (0 if g.clock_mhz == 1980 else g.clock_mhz) for g in plan.graphs}
+    clock = {g.label: g.choice.clock_mhz for g in plan.graphs}  # 0: the default clocks
     _, backward = plan.graphs
     fw, bw = (g.label for g in plan.graphs)
     assert switches[:2] == [(fw, 0), (bw, clock[bw])]  # the forward started provisionally
@@ -85,7 +85,7 @@ def test_the_step_plan_meets_its_budget_and_the_forward_switches_to_it(fake_pg, 
     # the backward, compiled with the plan, is estimated at its clock as the plan costed it
     # (measured from the default clock, its entry's switch would add a stall)
     estimate = reports[bw].estimate
-    assert estimate.clock_mhz == backward.clock_mhz
+    assert estimate.clock_mhz == (backward.choice.clock_mhz or 1980)
     assert estimate.time_s == pytest.approx(backward.time_s, rel=1e-9)
     reference, _, _ = _train({"profile": "off"}, steps=3)
     assert losses == pytest.approx(reference, rel=1e-5)
@@ -94,6 +94,7 @@ def test_the_step_plan_meets_its_budget_and_the_forward_switches_to_it(fake_pg, 
 def test_a_second_run_profiles_nothing_and_compiles_only_what_runs(fake_pg, tmp_path,
                                                                  counted, monkeypatch):
     from kareus import backend as backend_module
+    from kareus.runtime import materialise
 
     options = {"nanobatches": "auto", "cache_dir": str(tmp_path), "time_budget": 1.3}
     _train(options)
@@ -107,7 +108,8 @@ def test_a_second_run_profiles_nothing_and_compiles_only_what_runs(fake_pg, tmp_
         lowered.append(gm)
         return lower(gm, inputs, lowering, **kwargs)
 
-    monkeypatch.setattr(backend_module, "lower", counting)
+    monkeypatch.setattr(backend_module, "lower", counting)  # as first compiled
+    monkeypatch.setattr(materialise, "lower", counting)  # switching to the plan's choice
     _, _, backend = _train(options)
     assert counted == []
     assert len(lowered) == 2  # the forward and the backward, each once: no switch
@@ -129,13 +131,12 @@ def test_the_plan_option_runs_a_saved_plan_and_refuses_one_for_other_graphs(
     _, _, backend = _train({"plan": str(path), "cache_dir": str(tmp_path / "other")})
     assert counted == []  # nothing profiled: the plan says what runs
     assert kareus.current_plan() == made
-    runs = {(r.key, r.nanobatches, r.clock_mhz if r.clock_mhz else 1980)
-            for r in backend.reports()}
-    assert runs == {(g.graph_hash, g.nanobatches, g.clock_mhz) for g in made.graphs}
+    runs = {(r.key, r.choice) for r in backend.reports()}
+    assert runs == {(g.graph_hash, g.choice) for g in made.graphs}
     with pytest.raises(Exception, match=r"the plan was made for another graph r\d+/forward: its"
                        r" hash is \w+, this graph \(r\d+/forward\)'s is \w+"):
         _train({"plan": str(path)}, batch=4)  # other shapes: other graphs
-    (tmp_path / "bad.json").write_text('{"schema": 1}')
+    (tmp_path / "bad.json").write_text('{"schema": 2}')
     with pytest.raises(kareus.KareusError, match="bad.json: not a kareus plan"):
         kareus.KareusBackend({"plan": str(tmp_path / "bad.json")})
 
@@ -147,13 +148,13 @@ def test_a_budget_no_plan_meets_says_what_the_plans_reach(fake_pg, tmp_path):
 
 
 def test_verify_runs_a_wrong_rewrite_unrewritten(fake_pg, tmp_path, monkeypatch, caplog):
-    from kareus import backend as backend_module
+    from kareus.runtime import materialise
 
-    apply = backend_module.apply
+    apply = materialise.apply
 
-    def wrong(gm, analysis, decision, **kwargs):
-        new = apply(gm, analysis, decision, **kwargs)
-        if decision.variant is not None and analysis.kind == "forward":
+    def wrong(gm, analysis, choice, **kwargs):
+        new = apply(gm, analysis, choice, **kwargs)
+        if choice.variant is not None and analysis.kind == "forward":
             output = next(iter(new.graph.find_nodes(op="output")))
             first = output.args[0][0]
             with new.graph.inserting_before(output):
@@ -162,7 +163,7 @@ def test_verify_runs_a_wrong_rewrite_unrewritten(fake_pg, tmp_path, monkeypatch,
             new.recompile()
         return new
 
-    monkeypatch.setattr(backend_module, "apply", wrong)
+    monkeypatch.setattr(materialise, "apply", wrong)
     options = {"nanobatches": 2, "profile": "off", "verify": True}
     with caplog.at_level(logging.ERROR, logger="kareus"):
         losses, _, backend = _train(options, steps=2)

@@ -2,14 +2,14 @@ import io
 
 from rich.console import Console
 
-from kareus.profiler.profile import FrontierPoint, PartitionProfile
+from kareus.profiler.profile import PartitionProfile, ProfilePoint
 from kareus.profiler.progress import ProfilingProgress, summary_table
 from kareus.profiler.search import Config, Point
 from kareus.profiler.store import Knobs
 
 
 def _point(t, e, clock):
-    return FrontierPoint(Knobs(1, {}, clock, 2), t, e, e - 85 * t)
+    return ProfilePoint(Knobs(1, {}, clock, 2), t, e, e - 85 * t)
 
 
 def _profile(frontier, error=None):

@@ -1,0 +1,98 @@
+"""Profiling one graph as it compiles: the one call the backend makes.
+
+The ranks of the graph's collectives first agree that they all profile and plan it alike,
+then every distinct partition is searched at each nanobatch count the plan may choose
+(``profile.profile_graph``), through the profile store, with progress and a summary on
+rank 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+
+from kareus.devices.base import Device
+from kareus.passes.analyse import GraphAnalysis
+from kareus.profiler.profile import PartitionProfile, Settings, profile_graph
+from kareus.profiler.progress import ProfilingProgress, make_console, summary_table
+from kareus.profiler.store import ProfileStore
+from kareus.profiler.workloads import Lower
+from kareus.runtime.agreement import agree
+from kareus.runtime.communicators import Communicators
+
+
+@dataclass(frozen=True)
+class GraphProfiles:
+    """What profiling one graph gave: its distinct partitions' profiles at every count
+    searched, whether it is planned (every rank of its collectives plans it alike), and
+    why not where the ranks do not all profile and plan it alike."""
+
+    profiles: tuple[PartitionProfile, ...] = ()
+    planned: bool = False
+    note: str | None = None
+
+
+def profile(
+    analysis: GraphAnalysis,
+    counts: Sequence[int],
+    device: Device,
+    cache_dir: Path | None,
+    settings: Settings,
+    *,
+    plans: Hashable | None,
+    compile_key: str,
+    lower: Lower | None = None,
+    communicators: Communicators | None = None,
+) -> GraphProfiles:
+    """The frontiers of ``analysis``'s distinct partitions at each of ``counts`` (those of
+    them above 1 that apply; none with ``settings.mode == "off"``), from the profile store
+    in ``cache_dir`` or measured now, and whether the graph is planned.
+
+    ``plans``: what this rank plans the graph under (its budget), None where it does not.
+    Every rank of the graph's collectives first confirms (through the store, as decisions
+    are) that all of them will search the same graph with the same settings, so that a
+    leader never waits out the timeout for a rank that will not follow, and that all plan
+    it alike, so that no rank waits for another's plan. Rank 0 shows progress and a
+    summary; the device's clocks are back at default afterwards.
+    """
+    searched = tuple(k for k in counts if k > 1 and k in analysis.space.nanobatches)
+    wants = settings.mode != "off" and bool(searched)
+    planned = plans is not None
+    if not analysis.collectives:
+        return GraphProfiles((), planned)
+    intent = (analysis.key, searched if wants else (), settings, plans)
+    verdict = agree(
+        f"{compile_key}/profile", intent if wants or planned else None,
+        (c.group_name for c in analysis.collectives), timeout_s=settings.timeout_s,
+    )
+    if not (wants or planned):
+        return GraphProfiles()
+    if not verdict:
+        return GraphProfiles(note=(
+            "not profiled or planned: the ranks do not all profile and plan this graph "
+            f"alike ({verdict.reason})"
+        ))
+    if not wants:
+        return GraphProfiles((), planned)
+    shows = not dist.is_initialized() or dist.get_rank() == 0
+    profiles: tuple[PartitionProfile, ...] = ()
+    try:
+        with ProfileStore(cache_dir=cache_dir) as store, ProfilingProgress(shows) as progress:
+            for k in searched:
+                profiles += profile_graph(
+                    analysis, k, device, store, settings, prefix=compile_key,
+                    progress=progress, lower=lower, communicators=communicators,
+                )
+    finally:
+        if device.controls_clocks:
+            device.clock_controller().reset()
+    if shows and profiles:
+        make_console().print(summary_table(
+            f"kareus {analysis.label}: partition frontiers on {device.identity}", profiles
+        ))
+    return GraphProfiles(profiles, planned)
+
+

@@ -1,0 +1,121 @@
+"""From a decision to the graph that runs: the ranks agree, then resources are made.
+
+A rewritten graph issues collectives its peers must issue too, in the same order, so no
+rank runs a decision its peers did not take: the ranks of the graph's collectives compare
+decisions through the store (``agreement``), never a collective, and where they differ or
+one does not answer, every one of them runs the graph unrewritten. Only after that are the
+capped sub-communicators a variant's resources need created (a collective call of the
+group's ranks), so no rank creates one alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+
+from kareus.codegen.apply import apply
+from kareus.codegen.lowering import lower
+from kareus.codegen.nanobatch import CannotRewrite
+from kareus.passes.analyse import GraphAnalysis
+from kareus.passes.decide import Choice, Decision, decide, follow
+from kareus.passes.reasons import Reason, ReasonKind
+from kareus.runtime.agreement import agree
+from kareus.runtime.communicators import Communicators
+
+
+def agreed(
+    gm: torch.fx.GraphModule,
+    analysis: GraphAnalysis,
+    decision: Decision,
+    *,
+    compile_key: str,
+    timeout_s: float,
+    communicators: Communicators,
+) -> tuple[torch.fx.GraphModule, Decision]:
+    """The graph that runs and the decision every rank of its collectives took: ``decision``
+    where it can be rewritten (else unrewritten, ``CANNOT_REWRITE``) and every rank took the
+    same one (else unrewritten, ``RANKS_DISAGREED``), also where this rank asked for none."""
+    decision, compiled = _rewritten(gm, analysis, decision)
+    if analysis.collectives:
+        verdict = agree(
+            compile_key, (decision.variant, decision.clock_mhz), _groups(analysis),
+            timeout_s=timeout_s,
+        )
+        if not verdict:
+            decision = decision.fallback(Reason(
+                ReasonKind.RANKS_DISAGREED, None,
+                f"the ranks did not confirm one decision ({verdict.reason}); runs unrewritten",
+            ))
+    if decision.variant is None:
+        return apply(gm, analysis, decision.choice), decision
+    if _capped(decision.choice):
+        compiled = materialise(gm, analysis, decision.choice, communicators)
+    assert compiled is not None
+    return compiled, decision
+
+
+def materialise(
+    gm: torch.fx.GraphModule, analysis: GraphAnalysis, choice: Choice,
+    communicators: Communicators,
+) -> torch.fx.GraphModule:
+    """``apply`` with the capped sub-communicators the choice's resources need (made now:
+    call only where the ranks agreed on it)."""
+    groups = None
+    if _capped(choice):
+        parts = analysis.space.partitions(choice.nanobatches)
+        groups = [None if sms is None else communicators.capped(p.group_name, sms)
+                  for p, (_, sms) in zip(parts, choice.partitions, strict=True)]
+    return apply(gm, analysis, choice, groups=groups)
+
+
+Run = Callable[[list[Any]], Any]
+"""A boxed callable, as Inductor's: it takes its inputs as one list and may clear it."""
+
+
+class GraphBuilder:
+    """Compiles another choice of one graph while the step runs (the plan's, once known;
+    the unrewritten graph after a failed check), as the graph was first lowered."""
+
+    def __init__(
+        self, gm: torch.fx.GraphModule, analysis: GraphAnalysis, lowering: str,
+        inductor_kwargs: Mapping[str, Any], communicators: Communicators,
+    ) -> None:
+        self.gm, self.analysis, self.lowering = gm, analysis, lowering
+        self.inductor_kwargs, self.communicators = dict(inductor_kwargs), communicators
+
+    def build(self, choice: Choice, args: Sequence[Any]) -> tuple[Decision, Run]:
+        """``choice`` decided (checked against the graph's space) and compiled, with the
+        call's inputs as examples; unrewritten (``CANNOT_REWRITE``) where the emitter
+        cannot rewrite it. Every rank meets the same graph and choice, so every rank
+        falls back alike."""
+        decision = decide(self.analysis, follow(choice))
+        try:
+            graph = materialise(self.gm, self.analysis, decision.choice, self.communicators)
+        except CannotRewrite as exc:
+            decision = decision.fallback(Reason(ReasonKind.CANNOT_REWRITE, None, str(exc)))
+            graph = apply(self.gm, self.analysis, decision.choice)
+        # Compiled while the step runs, outside any compile's context (fake mode).
+        with torch._guards.tracing(None):
+            return decision, lower(graph, list(args), self.lowering, **self.inductor_kwargs)
+
+
+def _rewritten(
+    gm: torch.fx.GraphModule, analysis: GraphAnalysis, decision: Decision
+) -> tuple[Decision, torch.fx.GraphModule | None]:
+    if decision.variant is None:
+        return decision, None
+    try:
+        return decision, apply(gm, analysis, decision.choice)
+    except CannotRewrite as exc:
+        return decision.fallback(Reason(ReasonKind.CANNOT_REWRITE, None, str(exc))), None
+
+
+def _capped(choice: Choice) -> bool:
+    return any(sms is not None for _, sms in choice.partitions)
+
+
+def _groups(analysis: GraphAnalysis) -> list[str]:
+    return [c.group_name for c in analysis.collectives]

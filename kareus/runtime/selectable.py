@@ -1,0 +1,91 @@
+"""A compiled graph that runs what the plan chooses for it, from its next call on.
+
+AOT autograd compiles a step's backward lazily, so the step's plan is known only after its
+graphs first ran; each graph starts with the choice known when it compiled, and from its
+next call after the plan is adopted runs the plan's choice for it, compiling it then.
+Where asked, the first call of each newly chosen rewrite is checked against the
+unrewritten graph (``kareus.verify``) before it is trusted.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from kareus.passes.decide import Choice, Decision
+from kareus.runtime.materialise import GraphBuilder, Run
+
+log = logging.getLogger("kareus")
+
+
+class PlannedGraph(Protocol):
+    label: str
+    graph_hash: str
+    choice: Choice
+
+
+class Plan(Protocol):
+    graphs: Sequence[PlannedGraph]
+
+
+class PlanSource(Protocol):
+    """Where the step's plan appears once made (the step planner): None until then."""
+
+    plan: Plan | None
+
+
+class Reports(Protocol):
+    def update(self, label: str, notes_added: tuple[str, ...] = (), **changes: Any) -> None: ...
+
+
+class Verifier(Protocol):
+    def __call__(self, choice: Choice, args: list[Any], run: Run) -> tuple[Any, Run]:
+        """The outputs of ``run``'s first call on ``args``, and what runs from then on."""
+
+
+class SelectableGraph:
+    """A boxed callable, as Inductor's: it takes its inputs as one list and may clear it."""
+
+    def __init__(
+        self,
+        label: str,
+        graph_hash: str,
+        choice: Choice,
+        run: Run,
+        builder: GraphBuilder,
+        plans: PlanSource,
+        reports: Reports,
+        verify: Verifier | None = None,
+    ) -> None:
+        self._boxed_call = True  # an instance attribute: wrappers copy __dict__, not the class
+        self.label, self.graph_hash, self.choice = label, graph_hash, choice
+        self._run, self._builder, self._plans = run, builder, plans
+        self._reports, self._verify = reports, verify
+        self._plan: Plan | None = None
+        self._unverified = verify is not None and choice.nanobatches > 1
+
+    def __call__(self, args: list[Any]) -> Any:
+        plan = self._plans.plan
+        if plan is not None and plan is not self._plan:
+            self._plan = plan
+            entry = next((g for g in plan.graphs if g.label == self.label
+                          and g.graph_hash == self.graph_hash), None)
+            if entry is not None and entry.choice != self.choice:
+                log.info("%s: switching to the plan's choice %s", self.label, entry.choice)
+                decision, self._run = self._builder.build(entry.choice, args)
+                self._ran(decision)
+                self.choice = entry.choice
+                self._unverified = self._verify is not None and entry.choice.nanobatches > 1
+        if self._unverified:
+            self._unverified = False
+            outputs, self._run = self._verify(self.choice, args, self._run)
+            return outputs
+        return self._run(args)
+
+    def _ran(self, decision: Decision) -> None:
+        """The report says what runs now (and why unrewritten, where it fell back)."""
+        changes: dict[str, Any] = {"choice": decision.choice}
+        if decision.reason is not None:
+            changes["fallback"] = decision.reason
+        self._reports.update(self.label, **changes)
