@@ -106,7 +106,7 @@ class ClockResetError(DeviceError):
 
 
 class ClockOwnedError(DeviceError):
-    """Another live clock controller owns the GPU's clocks (runtime/clock_owner.py): two
+    """Another live clock controller owns the GPU's clocks (devices/nvml/ownership.py): two
     would override each other's clocks, so the second is refused."""
 
     def __init__(
