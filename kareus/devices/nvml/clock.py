@@ -42,6 +42,7 @@ from kareus.devices.errors import (
     ClockControlUnsupportedError,
     ClockPermissionError,
     ClockResetError,
+    ClosedClockControllerError,
     ForkedClockControllerError,
     MigClockControlError,
     StaleClockLockError,
@@ -181,7 +182,7 @@ class NvmlClockController:
             raise UnsupportedClockError(self.gpu, mhz, self._sorted_supported)
         with self._request_lock:
             if self._closed:
-                raise RuntimeError(f"the clock controller of {self.gpu} is closed")
+                raise ClosedClockControllerError(self.gpu)
             if mhz == self._requested:
                 return
             self._requested = mhz

@@ -20,7 +20,11 @@ import torch
 
 from kareus.closing import Closing
 from kareus.devices.base import Device, Measurement, Resources, Workload
-from kareus.devices.errors import DeviceError, UnsupportedMeasurementError
+from kareus.devices.errors import (
+    DeviceError,
+    UnmeasurableWorkloadError,
+    UnsupportedMeasurementError,
+)
 from kareus.devices.nvml.clock import (
     EventFactory,
     NvmlClockController,
@@ -218,8 +222,8 @@ class NvmlGPU(Device, Closing):
                 "with resources=None",
             )
         if workload.run is None:
-            raise ValueError(
-                f"workload {workload.name!r} has no run(): the NVML device measures by running it"
+            raise UnmeasurableWorkloadError(
+                workload.name, "run()", "the NVML device measures by running it"
             )
         switching = clock_mhz != self._controller.applied_mhz
         self._controller.set_clock(f"measure:{workload.name}", clock_mhz)
