@@ -11,6 +11,13 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch._inductor import config as inductor_config
 from torch._inductor.compile_fx import compile_fx_inner
 
+from kareus.errors import KareusError
+
+
+class UnknownLoweringError(KareusError, ValueError):
+    """The lowering named is neither "inductor" nor "eager"."""
+
+
 # Inductor passes that move collectives or reorder nodes across the whole graph. kareus
 # decides where communication is issued and where clocks switch, so they are turned off
 # (REFERENCE.md section 5: 2.14 enables simple_overlap by default; keys a torch release
@@ -40,4 +47,4 @@ def lower(
         return compile_fx_inner(gm, example_inputs, **inductor_kwargs)
     if lowering == "eager":
         return make_boxed_func(gm.forward)
-    raise ValueError(f"unknown lowering {lowering!r}")
+    raise UnknownLoweringError(f"unknown lowering {lowering!r}")

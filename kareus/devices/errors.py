@@ -106,7 +106,7 @@ class ClockResetError(DeviceError):
 
 
 class ClockOwnedError(DeviceError):
-    """Another live clock controller owns the GPU's clocks (runtime/clock_owner.py): two
+    """Another live clock controller owns the GPU's clocks (devices/nvml/ownership.py): two
     would override each other's clocks, so the second is refused."""
 
     def __init__(
@@ -141,6 +141,13 @@ class ClockOwnedError(DeviceError):
                 f"measures at whatever clocks the owner sets), or {SIMULATED_ALTERNATIVE}."
             )
         super().__init__(message)
+
+
+class ClosedClockControllerError(DeviceError):
+    """A clock switch was asked of a controller after its close (its thread is stopped)."""
+
+    def __init__(self, gpu: str) -> None:
+        super().__init__(f"the clock controller of {gpu} is closed")
 
 
 class StaleClockLockError(DeviceError):
@@ -200,6 +207,45 @@ class UnsupportedMeasurementError(DeviceError, NotImplementedError):
 
     def __init__(self, device: str, knob: str, reason: str) -> None:
         super().__init__(f"{device} cannot measure with {knob}: {reason}")
+
+
+class UnmeasurableWorkloadError(DeviceError, ValueError):
+    """The workload lacks what the device measures it by (a ``run`` to time on a real GPU,
+    a traced graph to cost on a simulated one)."""
+
+    def __init__(self, workload: str, lacks: str, because: str) -> None:
+        super().__init__(f"workload {workload!r} has no {lacks}: {because}")
+
+
+class UntracedGraphError(DeviceError, ValueError):
+    """A graph node carries no ``meta['val']``, so the simulated GPU cannot cost it."""
+
+    def __init__(self, node: str, target: object) -> None:
+        super().__init__(
+            f"node {node} ({target}) has no meta['val']: cost a graph traced with fake or "
+            "real tensors (make_fx, AOT autograd)"
+        )
+
+
+class UnsupportedCollectiveError(DeviceError, ValueError):
+    """The simulated GPU met a functional collective it does not pair with a wait."""
+
+    def __init__(self, target: object) -> None:
+        super().__init__(
+            f"simulated GPU cannot cost {target}: it is not a collective kareus pairs with a "
+            "wait (all_reduce, all_gather_into_tensor, reduce_scatter_tensor, "
+            "all_to_all_single and their coalesced forms)"
+        )
+
+
+class ClockSwitchIntervalError(DeviceError, ValueError):
+    """Clock switches came closer together than the (simulated) device allows."""
+
+    def __init__(self, device: str, apart_s: float, min_interval_s: float) -> None:
+        super().__init__(
+            f"{device}: clock switches {1e3 * apart_s:.1f} ms apart; this device allows at "
+            f"most one per {1e3 * min_interval_s:.0f} ms (switch per graph, not inside one)"
+        )
 
 
 class DeviceSpecError(DeviceError, ValueError):

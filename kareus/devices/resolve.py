@@ -37,7 +37,8 @@ def resolve_device(
     nvml_module: ModuleType | Any = None,
     **nvml_options: Any,
 ) -> Device:
-    """The Device named by ``spec``; ``nvml_options`` go to ``NvmlGPU`` when one is opened."""
+    """The Device named by ``spec``; ``nvml_options`` go to ``NvmlGPU`` when one is opened
+    (the runtime passes ``clock_locks``, the process's ``HeldClockLocks``, this way)."""
     if isinstance(spec, Device):
         return spec
     if isinstance(spec, os.PathLike):

@@ -16,6 +16,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kareus.errors import KareusError
+
+
+class TensorParallelDegreeError(KareusError, ValueError):
+    """The model's heads or FFN width do not split evenly over the tensor-parallel ranks."""
+
 
 @dataclass(frozen=True)
 class LlamaConfig:
@@ -137,7 +143,7 @@ def parallelize_llama(model: Llama, mesh, *, sequence_parallel: bool = False) ->
     )
 
     if model.cfg.n_heads % mesh.size() or model.cfg.ffn_dim % mesh.size():
-        raise ValueError(
+        raise TensorParallelDegreeError(
             f"heads ({model.cfg.n_heads}) and ffn_dim ({model.cfg.ffn_dim}) must be "
             f"divisible by the tensor-parallel degree {mesh.size()}"
         )

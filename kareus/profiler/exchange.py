@@ -56,6 +56,11 @@ class ProfilingAborted(KareusError, RuntimeError):
     """The ranks of a group gave up a search together (a rank timed out or failed)."""
 
 
+class UnreadableInstructionError(KareusError, RuntimeError):
+    """The leader's instruction in the store is neither a measurement nor a result: another
+    kareus version, or another job's keys."""
+
+
 @dataclass(frozen=True)
 class Team:
     """The ranks that measure one partition's variants together."""
@@ -121,7 +126,9 @@ class Team:
             if kind == "done":
                 return _result(payload)
             if kind != "measure":
-                raise RuntimeError(f"unreadable instruction {kind!r} under {self._keys}")
+                raise UnreadableInstructionError(
+                    f"unreadable instruction {kind!r} under {self._keys}"
+                )
             try:
                 mine = measure_here(Config(**json.loads(payload)), self.agreement(step))
             except BaseException as exc:

@@ -25,8 +25,17 @@ from dataclasses import dataclass, replace
 from kareus.devices.base import Device, Measurement, Resources, Workload
 from kareus.devices.nvml.energy import DEFAULT_MIN_WINDOW_S
 from kareus.devices.nvml.gpu import DEFAULT_SETTLE_S
+from kareus.errors import KareusError
 
 log = logging.getLogger("kareus")
+
+
+class MeasurementProtocolError(KareusError, ValueError):
+    """A measurement protocol's settings contradict each other or are out of range."""
+
+
+class GroupMeasurementError(KareusError, ValueError):
+    """The measurements handed over for a group are not one, nor one per rank."""
 
 
 @dataclass(frozen=True)
@@ -47,14 +56,18 @@ class Protocol:
 
     def __post_init__(self) -> None:
         if not 1 <= self.repeats <= self.max_repeats:
-            raise ValueError(
+            raise MeasurementProtocolError(
                 f"measurement protocol: need 1 <= repeats <= max_repeats, got "
                 f"repeats={self.repeats}, max_repeats={self.max_repeats}"
             )
         if not self.max_spread > 0:
-            raise ValueError(f"measurement protocol: max_spread must be > 0: {self.max_spread}")
+            raise MeasurementProtocolError(
+                f"measurement protocol: max_spread must be > 0: {self.max_spread}"
+            )
         if not self.cooldown_s >= 0:
-            raise ValueError(f"measurement protocol: cooldown_s must be >= 0: {self.cooldown_s}")
+            raise MeasurementProtocolError(
+                f"measurement protocol: cooldown_s must be >= 0: {self.cooldown_s}"
+            )
 
     def seconds_per_evaluation(
         self,
@@ -116,9 +129,9 @@ def group_measurement(per_rank: Sequence[Measurement], group_size: int) -> Measu
     be one per rank, in rank order (the result is the same on every rank that reduces them).
     """
     if not per_rank:
-        raise ValueError("group_measurement: no measurements")
+        raise GroupMeasurementError("group_measurement: no measurements")
     if len(per_rank) not in (1, group_size):
-        raise ValueError(
+        raise GroupMeasurementError(
             f"group_measurement: {len(per_rank)} measurements for a group of {group_size}"
         )
     copies = group_size if len(per_rank) == 1 else 1

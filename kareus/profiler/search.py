@@ -38,6 +38,15 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kareus.devices.base import Measurement
+from kareus.errors import KareusError
+
+
+class SearchSpaceError(KareusError, ValueError):
+    """A search space has an empty axis, or clocks not descending from the default."""
+
+
+class SearchBudgetError(KareusError, ValueError):
+    """A search was given no evaluation to spend."""
 
 
 @dataclass(frozen=True, order=True)
@@ -64,9 +73,9 @@ class Space:
     def __post_init__(self) -> None:
         for name in ("slots", "resources", "clocks"):
             if not getattr(self, name):
-                raise ValueError(f"search space: {name} is empty")
+                raise SearchSpaceError(f"search space: {name} is empty")
         if tuple(sorted(self.clocks, reverse=True)) != self.clocks:
-            raise ValueError(f"search space: clocks must descend, got {self.clocks}")
+            raise SearchSpaceError(f"search space: clocks must descend, got {self.clocks}")
 
     @property
     def ordered_resources(self) -> tuple[int | None, ...]:
@@ -174,7 +183,7 @@ def search(
     """Measure up to ``budget`` configurations of ``space`` through ``evaluate`` and return
     them with their frontiers; no configuration is measured twice."""
     if budget < 1:
-        raise ValueError(f"search budget must be at least 1, got {budget}")
+        raise SearchBudgetError(f"search budget must be at least 1, got {budget}")
     rng = random.Random(seed)
     points: list[Point] = []
     seen: set[Config] = set()

@@ -103,6 +103,15 @@ class ProfileStoreError(KareusError, OSError):
     """The profile store cannot be created, opened or written; the message names the file."""
 
 
+class AmbiguousStoreLocationError(KareusError, ValueError):
+    """A profile store was given both a file and a directory to live in."""
+
+
+class MismatchedMeasurementError(KareusError, ValueError):
+    """A measurement was recorded for knobs at another clock: every later lookup would be
+    wrong."""
+
+
 @dataclass(frozen=True)
 class ProfileKey:
     """What makes two measurements interchangeable: the same partition, measured on the same
@@ -215,7 +224,7 @@ class ProfileStore(Closing):
         cache_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         if path is not None and cache_dir is not None:
-            raise ValueError("ProfileStore: pass path or cache_dir, not both")
+            raise AmbiguousStoreLocationError("ProfileStore: pass path or cache_dir, not both")
         if path is None:
             path = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
             path = Path(path) / FILENAME
@@ -239,7 +248,7 @@ class ProfileStore(Closing):
         that would otherwise poison every later lookup.
         """
         if measurement.clock_mhz != knobs.clock_mhz:
-            raise ValueError(
+            raise MismatchedMeasurementError(
                 f"profile store: measurement at {measurement.clock_mhz} MHz recorded for "
                 f"knobs at {knobs.clock_mhz} MHz"
             )

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kareus.devices.base import ClockController
+from kareus.devices.nvml.ownership import HeldClockLocks
 from kareus.runtime.agreement import CompileCounter
 from kareus.runtime.clock import ClockRouter
 from kareus.runtime.communicators import Communicators
@@ -29,6 +30,9 @@ class ProcessRuntime:
     communicators: Communicators = field(default_factory=Communicators)
     compiles: CompileCounter = field(default_factory=CompileCounter)
     backends: BackendRegistry = field(default_factory=BackendRegistry)
+    clock_locks: HeldClockLocks = field(default_factory=HeldClockLocks)
+    """The GPUs whose clocks this process owns: every device opened here records its
+    ownership in it, so a second controller of a GPU in this process is refused."""
     _devices: dict[str, Device] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -38,7 +42,7 @@ class ProcessRuntime:
 
         with self._lock:
             if spec not in self._devices:
-                self._devices[spec] = resolve_device(spec)
+                self._devices[spec] = resolve_device(spec, clock_locks=self.clock_locks)
             return self._devices[spec]
 
     def drive(self, device: Device) -> None:

@@ -59,10 +59,25 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.distributed_c10d import _get_default_store, _resolve_process_group
 
+from kareus.errors import KareusError
+
 log = logging.getLogger("kareus")
 
 _MAX_POLL_S = 0.05
 _REPR_CHARS = 200
+
+
+class NegativeTimeoutError(KareusError, ValueError):
+    """An agreement was given a negative time to wait for the other ranks."""
+
+
+class RankNotInGroupsError(KareusError, ValueError):
+    """This rank was asked to agree in groups it is no member of."""
+
+
+class UnreadableVerdictError(KareusError, RuntimeError):
+    """The verdict in the store is none this kareus writes: another version, or another
+    job's keys."""
 
 
 @dataclass(frozen=True)
@@ -96,7 +111,7 @@ def agree(
     docstring). Store errors propagate.
     """
     if timeout_s < 0:
-        raise ValueError(f"timeout_s must be >= 0, got {timeout_s}")
+        raise NegativeTimeoutError(f"timeout_s must be >= 0, got {timeout_s}")
     # Called while compiling, under the compiler's fake-tensor mode: nothing here creates
     # tensors, and leaving the mode keeps it that way should the store or pickle ever do.
     with unset_fake_temporarily():
@@ -109,7 +124,9 @@ def agree(
             return Verdict(True, None)
         rank = dist.get_rank()
         if rank not in participants:
-            raise ValueError(f"rank {rank} is not in the groups {sorted(set(group_names))}")
+            raise RankNotInGroupsError(
+                f"rank {rank} is not in the groups {sorted(set(group_names))}"
+            )
         entry = _entry(decision)
         return _settle(
             _get_default_store() if store is None else store,
@@ -185,7 +202,7 @@ def _adopt(value: bytes | str, digest: str, prefix: str, *, sticky: bool) -> Ver
         log.error("%s", reason)
         return Verdict(False, reason)
     if kind not in ("disagree", "timeout"):
-        raise RuntimeError(f"unreadable verdict {value!r} under {prefix}")
+        raise UnreadableVerdictError(f"unreadable verdict {value!r} under {prefix}")
     log.info("%s: %s%s; falling back", prefix, payload, " (verdict reused)" if sticky else "")
     return Verdict(False, payload)
 

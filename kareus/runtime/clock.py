@@ -11,6 +11,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from kareus.devices.base import ClockController, NullClockController
+from kareus.errors import KareusError
+
+
+class NotAClockControllerError(KareusError, TypeError):
+    """What was given as a clock controller lacks ``set_clock(graph, mhz)`` or ``reset()``."""
 
 
 class ClockRouter:
@@ -67,4 +72,6 @@ class ClockRouter:
 
 def _check(controller: object) -> None:
     if not isinstance(controller, ClockController):
-        raise TypeError(f"{controller!r} does not implement set_clock(graph, mhz) and reset()")
+        raise NotAClockControllerError(
+            f"{controller!r} does not implement set_clock(graph, mhz) and reset()"
+        )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import gc
 import json
 import logging
 import multiprocessing
@@ -11,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import weakref
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -25,7 +27,9 @@ from kareus.devices.errors import (
 )
 from kareus.devices.nvml import ownership
 from kareus.devices.nvml.clock import NvmlClockController, _exit_guard, no_event
+from kareus.devices.nvml.gpu import NvmlGPU
 from kareus.passes.ops import DEFAULT_CLOCK_MHZ
+from kareus.runtime import ProcessRuntime, process_runtime
 
 UUID = FakeGpu().uuid
 
@@ -86,6 +90,8 @@ def test_ownership_is_recorded_while_held_and_released_on_close(lock_dir: Path) 
     ctl.set_clock("fwd", 1200)
     ctl.flush()
     assert record(lock_dir)["locked_mhz"] == 1200
+    # Built without the runtime's clock locks, so refused through the flock, by this
+    # process's record (the runtime's refuse by name: see the next test).
     with pytest.raises(ClockOwnedError, match="another clock controller of this process") as info:
         controller(fake, handle)
     assert f"pid {os.getpid()}" in str(info.value) and "locked at 1200 MHz" in str(info.value)
@@ -95,6 +101,30 @@ def test_ownership_is_recorded_while_held_and_released_on_close(lock_dir: Path) 
     with controller(fake, handle) as again:
         assert again.owns_clocks
     assert fake.setter_calls() == [(LOCK, 0, 1200, 1200), (RESET, 0)]  # no stale reset
+
+
+def test_a_second_device_of_one_process_is_refused_even_if_the_lock_file_went(
+    lock_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The runtime's ``clock_locks`` refuses by name what a flock alone would not: the lock
+    file removed meanwhile (a /tmp cleaner), a second open would lock a new one."""
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml())  # what the runtime opens
+    runtime = ProcessRuntime()
+    with runtime.device("nvml") as first:
+        assert isinstance(first, NvmlGPU) and first.clock_controller().owns_clocks
+        first.clock_controller().lock_path.unlink()
+        runtime.forget_devices()  # as if opened by another spec: a second device of the GPU
+        with pytest.raises(ClockOwnedError, match="another clock controller of this process"):
+            runtime.device("nvml")
+    with runtime.device("nvml") as again:  # once the first closed
+        assert again.clock_controller().owns_clocks
+
+
+def test_held_clock_locks_are_collected() -> None:
+    """Each instance's fork hook lives as long as the process; it must not keep it alive."""
+    held = weakref.ref(ownership.HeldClockLocks())
+    gc.collect()
+    assert held() is None
 
 
 def test_dry_run_never_takes_ownership(lock_dir: Path) -> None:
@@ -256,8 +286,15 @@ def test_an_unreadable_record_is_treated_as_locked(lock_dir: Path) -> None:
 
 def test_a_forked_child_cannot_set_clocks_and_the_parent_keeps_ownership(lock_dir: Path) -> None:
     fake, handle = opened()
+    held = process_runtime().clock_locks  # the child must forget what the process holds
     ctl = NvmlClockController(
-        fake, handle, gpu="GPU 0", index=0, supported_clocks=(1410, 1200), event_factory=no_event
+        fake,
+        handle,
+        gpu="GPU 0",
+        index=0,
+        supported_clocks=(1410, 1200),
+        event_factory=no_event,
+        held=held,
     )  # reset_at_exit: registered with the exit guard, which the child must not inherit
     ctl.set_clock("fwd", 1200)
     ctl.flush()
@@ -275,7 +312,7 @@ def test_a_forked_child_cannot_set_clocks_and_the_parent_keeps_ownership(lock_di
             ctl.close()
             seen["calls"] = len(fake.setter_calls())
             try:
-                controller(fake, handle)
+                controller(fake, handle, held=held)
             except ClockOwnedError as exc:
                 seen["own"] = str(exc)
             os.write(write, json.dumps(seen).encode())

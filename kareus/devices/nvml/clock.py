@@ -11,10 +11,10 @@ exit, on SIGTERM, SIGINT, SIGHUP and SIGQUIT (then the signal does what it did b
 when used as a context manager. A reset that fails is logged at CRITICAL level and raised.
 SIGKILL, ``os._exit`` and crashes in native code run no handler: for them, a controller that
 may lock clocks owns the GPU's clocks from construction to ``close`` (or exit) through a
-per-GPU lock file (``clock_owner``). At construction it refuses a GPU another live process
-owns (``ClockOwnedError``) and resets clocks a dead owner may have left locked (a WARNING
-names it; ``StaleClockLockError`` says what to run if the reset fails). The dry run takes no
-ownership; it warns if the GPU is owned or may be left locked.
+per-GPU lock file (``devices.nvml.ownership``). At construction it refuses a GPU another
+live process owns (``ClockOwnedError``) and resets clocks a dead owner may have left locked
+(a WARNING names it; ``StaleClockLockError`` says what to run if the reset fails). The dry
+run takes no ownership; it warns if the GPU is owned or may be left locked.
 
 NVML has no reliable getter of locked clocks (the current SM clock moves with load, power
 and temperature), so the controller does not assume the GPU is at its default clocks: until
@@ -42,6 +42,7 @@ from kareus.devices.errors import (
     ClockControlUnsupportedError,
     ClockPermissionError,
     ClockResetError,
+    ClosedClockControllerError,
     ForkedClockControllerError,
     MigClockControlError,
     StaleClockLockError,
@@ -102,9 +103,12 @@ class NvmlClockController:
 
     Unless ``dry_run``, the controller owns the GPU's clocks from construction to ``close``
     (lock files in ``lock_dir``, else ``$KAREUS_CLOCK_LOCK_DIR``, else /tmp/kareus-clocks;
-    see ``clock_owner``): it raises ``ClockOwnedError`` if another live controller owns
-    them, and resets clocks a dead owner may have left locked (or raises
-    ``StaleClockLockError`` saying to run ``sudo nvidia-smi -i <index> -rgc``).
+    see ``devices.nvml.ownership``): it raises ``ClockOwnedError`` if another live
+    controller owns them, and resets clocks a dead owner may have left locked (or raises
+    ``StaleClockLockError`` saying to run ``sudo nvidia-smi -i <index> -rgc``). ``held`` is
+    where the process keeps its ownerships (the runtime's ``clock_locks``); without one the
+    controller keeps its ownership alone, and a second controller of the GPU in this
+    process is refused by the lock file's flock instead.
     ``dry_run`` runs the same path (validation, events, thread) but only records switches;
     it takes no ownership.
     """
@@ -121,6 +125,7 @@ class NvmlClockController:
         event_factory: EventFactory | None = None,
         reset_at_exit: bool = True,
         lock_dir: str | os.PathLike[str] | None = None,
+        held: ownership.HeldClockLocks | None = None,
     ) -> None:
         self._nvml = nvml
         self._handle = handle
@@ -153,7 +158,7 @@ class NvmlClockController:
         if dry_run:
             self._warn_if_taken()
         else:
-            self._take_ownership()
+            self._take_ownership(held if held is not None else ownership.HeldClockLocks())
         if reset_at_exit:
             _exit_guard.register(self)
 
@@ -177,7 +182,7 @@ class NvmlClockController:
             raise UnsupportedClockError(self.gpu, mhz, self._sorted_supported)
         with self._request_lock:
             if self._closed:
-                raise RuntimeError(f"the clock controller of {self.gpu} is closed")
+                raise ClosedClockControllerError(self.gpu)
             if mhz == self._requested:
                 return
             self._requested = mhz
@@ -245,8 +250,8 @@ class NvmlClockController:
         except self._nvml.NVMLError:
             return None
 
-    def _take_ownership(self) -> None:
-        owner = ownership.acquire(self.lock_path, gpu=self.gpu)
+    def _take_ownership(self, held: ownership.HeldClockLocks) -> None:
+        owner = held.acquire(self.lock_path, gpu=self.gpu)
         try:
             if owner.stale is not None:
                 self._clear_stale(owner.stale)

@@ -1,9 +1,9 @@
 """A real GPU measured and controlled through NVML.
 
 ``NvmlGPU`` composes three parts, each usable and tested on its own: which GPU this
-process trains on (``nvml_select.select_gpu``), the energy meter that measures workloads
-on it (``nvml_energy.NvmlEnergyMeter``) and the controller that locks its SM clock
-(``runtime.nvml_clock.NvmlClockController``). This module adds what NVML does not say: the
+process trains on (``nvml.select.select_gpu``), the energy meter that measures workloads
+on it (``nvml.energy.NvmlEnergyMeter``) and the controller that locks its SM clock
+(``nvml.clock.NvmlClockController``). This module adds what NVML does not say: the
 clocks to search and the GPU's static power.
 """
 
@@ -20,7 +20,11 @@ import torch
 
 from kareus.closing import Closing
 from kareus.devices.base import Device, Measurement, Resources, Workload
-from kareus.devices.errors import DeviceError, UnsupportedMeasurementError
+from kareus.devices.errors import (
+    DeviceError,
+    UnmeasurableWorkloadError,
+    UnsupportedMeasurementError,
+)
 from kareus.devices.nvml.clock import (
     EventFactory,
     NvmlClockController,
@@ -33,6 +37,7 @@ from kareus.devices.nvml.energy import (
     DEFAULT_POLL_INTERVAL_S,
     NvmlEnergyMeter,
 )
+from kareus.devices.nvml.ownership import HeldClockLocks
 from kareus.devices.nvml.select import select_gpu
 from kareus.passes.ops import DEFAULT_CLOCK_MHZ
 
@@ -103,6 +108,8 @@ class NvmlGPU(Device, Closing):
     validated and recorded (``clock_controller().switches``), and every measurement is at
     the default clocks (``details["clock_locked"] == 0``). Either way the device is this
     process's GPU, so compiled graphs drive its controller (``controls_clocks``).
+    ``clock_locks`` is where the process keeps the clock ownerships it holds: the runtime
+    passes its own (``ProcessRuntime.clock_locks``); see ``NvmlClockController``.
     """
 
     controls_clocks = True
@@ -122,6 +129,7 @@ class NvmlGPU(Device, Closing):
         timer: Callable[[], float] = time.perf_counter,
         sleep: Callable[[float], None] = time.sleep,
         reset_at_exit: bool = True,
+        clock_locks: HeldClockLocks | None = None,
     ) -> None:
         self.dry_run = dry_run
         self._settle_s = settle_s
@@ -164,6 +172,7 @@ class NvmlGPU(Device, Closing):
                 dry_run=dry_run,
                 event_factory=event_factory or (record_cuda_event if cuda else no_event),
                 reset_at_exit=reset_at_exit,
+                held=clock_locks,
             )
         except BaseException:
             nvml.nvmlShutdown()
@@ -213,8 +222,8 @@ class NvmlGPU(Device, Closing):
                 "with resources=None",
             )
         if workload.run is None:
-            raise ValueError(
-                f"workload {workload.name!r} has no run(): the NVML device measures by running it"
+            raise UnmeasurableWorkloadError(
+                workload.name, "run()", "the NVML device measures by running it"
             )
         switching = clock_mhz != self._controller.applied_mhz
         self._controller.set_clock(f"measure:{workload.name}", clock_mhz)

@@ -15,10 +15,11 @@ that may lock clocks first takes ownership of the GPU's clocks here:
    before each lock and after each reset, so a dead owner's record tells what it left);
 3. release: empty the file, then drop the flock. An empty file means "released cleanly".
 
-What the next process finds, and what it makes of it (``acquire``):
+What the next process finds, and what it makes of it (``HeldClockLocks.acquire``):
 
 - the flock held by another process: owned, refused (``ClockOwnedError`` names the
-  owner from its record); held in this process: another controller here owns it, refused;
+  owner from its record); held in this process (the process's ``HeldClockLocks`` has it,
+  or the record is this process's): another controller here owns it, refused;
 - the flock free and the file empty (or absent): free;
 - the flock free and a record: stale, since an owner holds its flock as long as it owns.
   Its owner died (the pid no longer runs, is a zombie, or was reused: its start time
@@ -37,6 +38,12 @@ the same host directory mounted and ``KAREUS_CLOCK_LOCK_DIR`` pointing at it.
 A process forked from an owner shares the owner's open file, hence its flock: in the child,
 every ownership is forgotten and its descriptor closed without unlocking (``flock(LOCK_UN)``
 there would unlock the parent), so the parent stays the owner and the child owns nothing.
+Closing matters beyond the child: a flock lasts while any descriptor of its open file does,
+so a long-lived child (a data loader worker) would otherwise keep the GPU owned after the
+parent released it.
+
+Which ownerships a process holds is state of the process, kept by ``HeldClockLocks``: the
+runtime has one (``ProcessRuntime.clock_locks``) and hands it to every device it opens.
 """
 
 from __future__ import annotations
@@ -52,6 +59,8 @@ import socket
 import stat
 import sys
 import threading
+import weakref
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -137,8 +146,16 @@ class StaleOwner:
 class Ownership:
     """This process's ownership of one GPU's clocks: an open, flocked lock file."""
 
-    def __init__(self, fd: int, path: Path, record: OwnerRecord, stale: StaleOwner | None):
+    def __init__(
+        self,
+        fd: int,
+        path: Path,
+        record: OwnerRecord,
+        stale: StaleOwner | None,
+        held: HeldClockLocks,
+    ) -> None:
         self._fd: int | None = fd
+        self._held = held
         self.path = path
         self.record = record
         self.stale = stale
@@ -181,11 +198,12 @@ class Ownership:
             except OSError as exc:
                 logger.warning("could not empty the clock owner record %s: %s", self.path, exc)
             finally:
-                _forget(self.path)
+                self._held.forget(self.path)
                 os.close(fd)  # drops the flock
 
     def _forget_after_fork(self) -> None:
         """In a forked child: close the inherited descriptor, keeping the parent's flock."""
+        self._lock = threading.RLock()  # another thread may have held it at the fork
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)
@@ -210,32 +228,66 @@ def lock_path(directory: Path, uuid: str | None, index: int) -> Path:
 
 # -- taking ownership ------------------------------------------------------------------
 
-_held: dict[Path, Ownership] = {}
-_held_lock = threading.RLock()
 
+class HeldClockLocks:
+    """The GPU clock ownerships one process holds, by lock file path.
 
-def acquire(path: Path, *, gpu: str) -> Ownership:
-    """Own the clocks of ``gpu`` through the lock file ``path``, or raise ``ClockOwnedError``.
-
-    The file is left as found (a stale record included) until the caller ``write``s.
+    A second controller of a GPU in the process that owns it is refused by name here,
+    without touching the file (which a /tmp cleaner may have removed meanwhile). The
+    runtime keeps the process's one (``ProcessRuntime.clock_locks``); devices are handed
+    it, never look it up. In a forked child every instance forgets what it held.
     """
-    path = Path(os.path.abspath(path))
-    with _held_lock:
-        if path in _held:
-            owner = _held[path].record.describe()
-            raise ClockOwnedError(gpu, owner, str(path), same_process=True)
-    _prepare_dir(path.parent)
-    fd = _flocked(path, gpu)
-    try:
-        previous = _read(fd)
-        stale = None if previous is None else _stale(previous)
-        ownership = Ownership(fd, path, _own_record(gpu), stale)
-    except BaseException:
-        os.close(fd)
-        raise
-    with _held_lock:
-        _held[path] = ownership
-    return ownership
+
+    def __init__(self) -> None:
+        self._held: dict[Path, Ownership] = {}
+        self._lock = threading.RLock()
+        # A weak reference: the fork hook lives as long as the process, this object need not.
+        os.register_at_fork(after_in_child=_after_fork_hook(weakref.ref(self)))
+
+    def acquire(self, path: Path, *, gpu: str) -> Ownership:
+        """Own the clocks of ``gpu`` through the lock file ``path``, or raise
+        ``ClockOwnedError``.
+
+        The file is left as found (a stale record included) until the caller ``write``s.
+        """
+        path = Path(os.path.abspath(path))
+        with self._lock:
+            if path in self._held:
+                owner = self._held[path].record.describe()
+                raise ClockOwnedError(gpu, owner, str(path), same_process=True)
+        _prepare_dir(path.parent)
+        fd = _flocked(path, gpu)
+        try:
+            previous = _read(fd)
+            stale = None if previous is None else _stale(previous)
+            ownership = Ownership(fd, path, _own_record(gpu), stale, self)
+        except BaseException:
+            os.close(fd)
+            raise
+        with self._lock:
+            self._held[path] = ownership
+        return ownership
+
+    def forget(self, path: Path) -> None:
+        """``path`` is no longer owned (its ownership was released)."""
+        with self._lock:
+            self._held.pop(path, None)
+
+    def _after_fork_in_child(self) -> None:
+        """A forked child owns nothing: drop every inherited ownership, keeping the flocks."""
+        self._lock = threading.RLock()  # another thread may have held it at the fork
+        for ownership in list(self._held.values()):
+            ownership._forget_after_fork()
+        self._held.clear()
+
+
+def _after_fork_hook(held: weakref.ref[HeldClockLocks]) -> Callable[[], None]:
+    def after_fork_in_child() -> None:
+        alive = held()
+        if alive is not None:
+            alive._after_fork_in_child()
+
+    return after_fork_in_child
 
 
 def read_owner(path: Path) -> tuple[OwnerRecord, bool] | None:
@@ -283,9 +335,7 @@ def _flocked(path: Path, gpu: str) -> int:
         except BlockingIOError:
             owner = _read(fd)
             os.close(fd)
-            if isinstance(owner, OwnerRecord):
-                raise ClockOwnedError(gpu, owner.describe(), str(path), pid=owner.pid) from None
-            raise ClockOwnedError(gpu, None, str(path)) from None
+            raise _owned_error(gpu, owner, path) from None
         except OSError as exc:
             os.close(fd)
             reason = f"cannot flock {path.name}: {exc.strerror or exc}"
@@ -294,6 +344,17 @@ def _flocked(path: Path, gpu: str) -> int:
             return fd
         os.close(fd)  # the file was removed or replaced meanwhile: lock the current one
     raise ClockLockDirError(str(path.parent), f"{path.name} keeps being replaced")
+
+
+def _owned_error(gpu: str, owner: OwnerRecord | str | None, path: Path) -> ClockOwnedError:
+    """Refusal of a flock another holds. It may be a controller of this process that keeps
+    its ownership in another ``HeldClockLocks`` (one built without the runtime's): say so,
+    rather than advise killing this very process."""
+    if not isinstance(owner, OwnerRecord):
+        return ClockOwnedError(gpu, None, str(path))
+    if _liveness(owner) == "this process":
+        return ClockOwnedError(gpu, owner.describe(), str(path), same_process=True)
+    return ClockOwnedError(gpu, owner.describe(), str(path), pid=owner.pid)
 
 
 def _open(path: Path) -> int:
@@ -443,20 +504,3 @@ def _own_record(gpu: str) -> OwnerRecord:
         gpu=gpu,
     )
 
-
-def _forget(path: Path) -> None:
-    with _held_lock:
-        _held.pop(path, None)
-
-
-def _after_fork_in_child() -> None:
-    """A forked child owns nothing: drop every inherited ownership, keeping the flocks."""
-    global _held_lock
-    _held_lock = threading.RLock()  # another thread may have held it at the fork
-    for ownership in list(_held.values()):
-        ownership._lock = threading.RLock()
-        ownership._forget_after_fork()
-    _held.clear()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -86,7 +86,14 @@ from kareus.devices.base import (
     Resources,
     Workload,
 )
-from kareus.devices.errors import UnsupportedClockError, UnsupportedMeasurementError
+from kareus.devices.errors import (
+    ClockSwitchIntervalError,
+    UnmeasurableWorkloadError,
+    UnsupportedClockError,
+    UnsupportedCollectiveError,
+    UnsupportedMeasurementError,
+    UntracedGraphError,
+)
 from kareus.devices.sim.presets import TENSOR_TIME_SCALE, GPUSpec, load_preset
 from kareus.passes.collectives import WAIT_OP, find_collectives, size_hint
 from kareus.passes.collectives import Collective as CollectiveRecord
@@ -183,10 +190,7 @@ def _is_free(node: torch.fx.Node) -> bool:
 
 def _val(node: torch.fx.Node) -> object:
     if "val" not in node.meta:
-        raise ValueError(
-            f"node {node.name} ({node.target}) has no meta['val']: cost a graph traced with "
-            "fake or real tensors (make_fx, AOT autograd)"
-        )
+        raise UntracedGraphError(node.name, node.target)
     return node.meta["val"]
 
 
@@ -342,11 +346,7 @@ def graph_cost(
         elif node.target is WAIT_OP:
             continue  # a second wait on a tensor already waited (MoE code does this): no-op
         elif getattr(node.target, "namespace", None) == "_c10d_functional":
-            raise ValueError(
-                f"simulated GPU cannot cost {node.target}: it is not a collective kareus "
-                "pairs with a wait (all_reduce, all_gather_into_tensor, reduce_scatter_tensor, "
-                "all_to_all_single and their coalesced forms)"
-            )
+            raise UnsupportedCollectiveError(node.target)
         elif node.target is SET_CLOCK:
             run.flush(kernels, program)
             program.append((Step.CLOCK, int(arguments(node)["mhz"])))
@@ -697,11 +697,7 @@ class _Timeline:
             return
         since = math.inf if self.last_switch is None else self.now - self.last_switch
         if since < spec.min_switch_interval_s:
-            raise ValueError(
-                f"{spec.name}: clock switches {1e3 * since:.1f} ms apart; "
-                f"this device allows at most one per {1e3 * spec.min_switch_interval_s:.0f} ms "
-                "(switch per graph, not inside one)"
-            )
+            raise ClockSwitchIntervalError(spec.name, since, spec.min_switch_interval_s)
         self._idle(spec.clock_switch_s)
         self.switch_s += spec.clock_switch_s
         self.switches += 1
@@ -845,9 +841,10 @@ class SimulatedGPU(Device):
     @staticmethod
     def _cost(workload: Workload) -> GraphCost:
         if workload.gm is None:
-            raise ValueError(
-                f"workload {workload.name!r} has no graph: the simulated GPU costs "
-                "workload.gm (with node.meta['val'])"
+            raise UnmeasurableWorkloadError(
+                workload.name,
+                "graph",
+                "the simulated GPU costs workload.gm (with node.meta['val'])",
             )
         return graph_cost(workload.gm, workload.world_size)
 
