@@ -44,6 +44,7 @@ from kareus.profiler.store import ProfileStore, default_cache_dir
 from kareus.reports import GraphReport, make_console, print_report
 from kareus.runtime import process_runtime
 from kareus.runtime.agreement import agree
+from kareus.runtime.communicators import graph_backend
 from kareus.verify import RandomState, outputs_mismatch
 
 log = logging.getLogger("kareus")
@@ -164,7 +165,7 @@ class KareusBackend:
         else:
             kind = "forward"
         analysis = analyse(
-            gm, inputs, kind, self._forwards.get(region),
+            gm, inputs, kind, self._forwards.get(region), backend=graph_backend(gm.graph),
             static_input_idxs=kwargs.get("static_input_idxs") or (), label=f"r{region}/{kind}",
         )
         if kind == "forward":

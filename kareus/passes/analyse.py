@@ -9,7 +9,7 @@ structural hash, identical on every rank and across runs of the same program.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +17,7 @@ import torch
 import torch.fx
 
 from kareus.codegen.nanobatch import NanobatchRewrite
+from kareus.passes.backends import exclusive_kinds
 from kareus.passes.collectives import Collective, find_collectives
 from kareus.passes.interface import (
     ForwardInterface,
@@ -29,7 +30,6 @@ from kareus.passes.partition import GraphPartitioning, graph_hash, partition_gra
 from kareus.passes.placement import PlacementResult, Split, per_nanobatch, propagate
 from kareus.passes.reasons import Reason, ReasonKind
 from kareus.passes.variants import NANOBATCH_COUNTS, VariantSpace, variant_space
-from kareus.runtime.communicators import exclusive_kinds
 
 GRAPH_KINDS = ("forward", "backward", "inference")
 
@@ -66,15 +66,18 @@ def analyse(
     kind: str,
     forward: ForwardInterfaces | None = None,
     *,
+    backend: str | None = None,
     static_input_idxs: Sequence[int] = (),
     label: str | None = None,
     table: OpTable = OP_TABLE,
-    exclusive: Callable[[str], frozenset[str]] = exclusive_kinds,
 ) -> GraphAnalysis:
     """Analyse ``gm`` (an AOT graph with ``node.meta["val"]``) of the given ``kind``.
 
     ``forward``: for a backward graph, the ``interfaces`` of its forward's analysis;
-    ``static_input_idxs``: for a forward, its parameters and buffers (as Inductor passes them).
+    ``backend``: the kind of its collectives' process-group backend ("nccl", "gloo",
+    "fake"; None offline), which says what resources a collective can have and what may
+    not be in flight twice (``passes.backends``); ``static_input_idxs``: for a forward, its
+    parameters and buffers (as Inductor passes them).
     """
     if kind not in GRAPH_KINDS:
         raise ValueError(f"kind must be one of {GRAPH_KINDS}, got {kind!r}")
@@ -111,9 +114,9 @@ def analyse(
         collectives=collectives,
         partitioning=partitioning,
         placements=placements,
-        space=variant_space(partitioning, placements, infeasible),
+        space=variant_space(partitioning, placements, infeasible, backend),
         interfaces=interfaces,
-        exclusive={c.group_name: exclusive(c.group_name) for c in collectives},
+        exclusive={c.group_name: exclusive_kinds(backend) for c in collectives},
     )
 
 
