@@ -17,6 +17,7 @@ import torch
 import torch.fx
 
 from kareus.codegen.nanobatch import NanobatchRewrite
+from kareus.errors import KareusError
 from kareus.passes.backends import exclusive_kinds
 from kareus.passes.collectives import Collective, find_collectives
 from kareus.passes.interface import (
@@ -32,6 +33,11 @@ from kareus.passes.reasons import Reason, ReasonKind
 from kareus.passes.variants import NANOBATCH_COUNTS, VariantSpace, variant_space
 
 GRAPH_KINDS = ("forward", "backward", "inference")
+
+
+class GraphKindError(KareusError, ValueError):
+    """A graph kind ``analyse`` does not know."""
+
 
 ForwardInterfaces = Mapping[int, ForwardInterface]
 """What a forward tells its backward, per nanobatch count."""
@@ -51,6 +57,7 @@ class GraphAnalysis:
     space: VariantSpace
     interfaces: ForwardInterfaces  # forward graphs: what their backward needs, per k > 1
     exclusive: Mapping[str, frozenset[str]]  # group -> collective kinds never two in flight
+    table: OpTable = field(compare=False, repr=False)  # the op facts it was analysed with
     rewrites: dict[int, NanobatchRewrite] = field(
         default_factory=dict, compare=False, repr=False
     )  # the k-way emitted graphs ``apply`` materialises variants from (a cache)
@@ -77,13 +84,14 @@ def analyse(
     ``backend``: the kind of its collectives' process-group backend ("nccl", "gloo",
     "fake"; None offline), which says what resources a collective can have and what may
     not be in flight twice (``passes.backends``); ``static_input_idxs``: for a forward, its
-    parameters and buffers (as Inductor passes them).
+    parameters and buffers (as Inductor passes them); ``table``: the op facts every stage
+    reads (kept on the result, so the rewrite and the profiler read the same).
     """
     if kind not in GRAPH_KINDS:
-        raise ValueError(f"kind must be one of {GRAPH_KINDS}, got {kind!r}")
+        raise GraphKindError(f"kind must be one of {GRAPH_KINDS}, got {kind!r}")
     graph = gm.graph
     collectives = tuple(find_collectives(graph))
-    partitioning = partition_graph(graph, collectives)
+    partitioning = partition_graph(graph, collectives, table)
     symbolic = symbolic_shapes(graph)
     placements, infeasible = {}, {}
     for k in NANOBATCH_COUNTS[1:]:
@@ -107,8 +115,8 @@ def analyse(
     return GraphAnalysis(
         label=label or kind,
         kind=kind,
-        key=graph_hash(graph),
-        shape_free_key=graph_hash(graph, shapes=False),
+        key=graph_hash(graph, table),
+        shape_free_key=graph_hash(graph, table, shapes=False),
         num_nodes=len(graph.nodes),
         example_inputs=tuple(example_inputs),
         collectives=collectives,
@@ -117,6 +125,7 @@ def analyse(
         space=variant_space(partitioning, placements, infeasible, backend),
         interfaces=interfaces,
         exclusive={c.group_name: exclusive_kinds(backend) for c in collectives},
+        table=table,
     )
 
 
