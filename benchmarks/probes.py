@@ -276,7 +276,7 @@ class _Model:
         clock = self.default if clock is None else clock
         if tf32 is None:
             return self.gpu.measure(Workload("probe", gm, world_size=WORLD_SIZE), clock)
-        cost = graph_cost(gm, WORLD_SIZE, tf32=tf32)
+        cost = graph_cost(gm, WORLD_SIZE, tf32=tf32, table=self.gpu.table)
         return self.gpu.sweep(cost, (clock,))[clock]
 
     def seconds(self, gm: torch.fx.GraphModule, **kwargs) -> float:

@@ -71,6 +71,7 @@ from rich.table import Table
 from kareus.devices import SimulatedGPU
 from kareus.devices.base import Measurement
 from kareus.passes.analyse import GraphAnalysis, analyse
+from kareus.passes.backends import resource_choices
 from kareus.passes.collectives import find_collectives
 from kareus.passes.partition import Partition
 from kareus.passes.placement import PlacementResult
@@ -108,13 +109,6 @@ PROTOCOL_SOURCES = {
     "settle, warm-up, timed calibration run, 5 s cool-down, 5 s NVML energy window",
 }
 TARGET_NODE_MINUTES = 15.0
-# The method's SM ranges for a collective (REFERENCE.md section 1); the library's default
-# (None) first, as kareus.runtime.communicators.resource_choices offers them on NCCL.
-METHOD_SMS = {
-    "all_reduce": tuple(range(3, 31, 3)),
-    "all_gather": tuple(range(1, 21)),
-    "reduce_scatter": tuple(range(1, 21)),
-}
 STRATEGIES = ("kareus", "random", "sweep")
 METRICS: dict[str, tuple[Objective, str]] = {
     "energy/grid": (ENERGY, "grid"),  # the primary score
@@ -218,7 +212,7 @@ def partition_space(
         offered = case.choices.resources
         resources = (
             offered if any(r is not None for r in offered)
-            else (None, *METHOD_SMS.get(case.collective, ()))
+            else resource_choices(case.collective, "nccl")  # the method's ranges
         )
     return Space(
         tuple(range(case.choices.launch_slots)), tuple(resources), tuple(clocks),

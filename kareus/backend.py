@@ -35,7 +35,7 @@ from kareus.profiler.measure import Protocol
 from kareus.profiler.store import default_cache_dir
 from kareus.reports import GraphReport, ReportBook, modelled_cost
 from kareus.runtime import process_runtime
-from kareus.runtime.communicators import backend_of
+from kareus.runtime.communicators import graph_backend
 from kareus.runtime.materialise import GraphBuilder, agreed
 from kareus.runtime.selectable import SelectableGraph
 from kareus.verify import Verifier
@@ -137,7 +137,7 @@ class KareusBackend:
                 else "inference" if kwargs.get("is_inference") else "forward")
         options, device, world = self.options, self.device, _world_size()
         analysis = analyse(
-            gm, inputs, kind, self._forwards.get(region),
+            gm, inputs, kind, self._forwards.get(region), backend=graph_backend(gm.graph),
             static_input_idxs=kwargs.get("static_input_idxs") or (), label=f"r{region}/{kind}",
         )
         if kind == "forward":
@@ -198,11 +198,6 @@ class KareusBackend:
 
 def _world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _backend_kind() -> str | None:
-    """The default process group's backend ("nccl", "gloo", "fake"; None: no group)."""
-    return backend_of(dist.group.WORLD.group_name) if dist.is_initialized() else None
 
 
 def graph_reports() -> list[GraphReport]:

@@ -120,14 +120,15 @@ def aot_graphs(model: torch.nn.Module, *args: Any, backward: bool = True) -> lis
 
 
 def analysed(
-    model: torch.nn.Module, *args: Any, backward: bool = True
+    model: torch.nn.Module, *args: Any, backward: bool = True, backend: str | None = "fake"
 ) -> list[tuple[AotGraph, GraphAnalysis]]:
     """``aot_graphs`` with each graph analysed as the backend does (a backward after its
-    forward)."""
+    forward), its collectives on a group of ``backend`` (the fake one of ``fake_pg``)."""
     out, forward = [], None
     for g in aot_graphs(model, *args, backward=backward):
         a = analyse(
-            g.gm, g.inputs, g.kind, forward, static_input_idxs=g.static_input_idxs, label=g.kind
+            g.gm, g.inputs, g.kind, forward, backend=backend,
+            static_input_idxs=g.static_input_idxs, label=g.kind,
         )
         forward = a.interfaces if g.kind == "forward" else forward
         out.append((g, a))

@@ -52,6 +52,7 @@ def apply(
                 k,
                 analysis.example_inputs,
                 lambda group: analysis.exclusive.get(group, frozenset()),
+                analysis.table,
             )
         new = analysis.rewrites[k].materialise(Schedule(k, variant.slots, tuple(groups)))
     insert_clock_switch(new.graph, analysis.label, choice.clock_mhz)

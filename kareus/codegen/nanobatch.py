@@ -17,12 +17,16 @@ A search materialises many variants of one graph. Variants with the same k emit 
 nodes and differ only in their order and in the process group of some collectives, so a
 ``NanobatchRewrite`` finds once what no schedule changes (how each node is emitted, the
 tensor metadata of every emitted node) and ``materialise`` only re-emits the order.
+
+The profiler measures one partition alone (``isolated_partition``): what the rewrite emits
+of its segment for one nanobatch, with the other nanobatch's collective issued at a slot.
+It is emitted from the same per-node plan, so it slices, resizes and issues as the rewrite.
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -32,9 +36,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from kareus.errors import KareusError
 from kareus.passes.collectives import Collective
-from kareus.passes.ops import Resize, facts_of
-from kareus.passes.partition import GraphPartitioning, canonical_order
+from kareus.passes.ops import OP_TABLE, OpTable, Resize
+from kareus.passes.partition import GraphPartitioning, Partition, canonical_order
 from kareus.passes.placement import (
     Local,
     NodePlacement,
@@ -65,29 +70,12 @@ class Schedule:
     groups: tuple[str | None, ...]
 
 
-class CannotRewrite(Exception):
+class CannotRewrite(KareusError, ValueError):
     """The graph cannot be rewritten as asked; the message says why."""
 
 
-def nanobatch_graph(
-    gm: torch.fx.GraphModule,
-    partitioning: GraphPartitioning,
-    collectives: Sequence[Collective],
-    placements: PlacementResult,
-    schedule: Schedule,
-    example_inputs: Sequence[object],
-    exclusive: Callable[[str], frozenset[str]] = lambda group_name: frozenset(),
-) -> torch.fx.GraphModule:
-    """A new GraphModule computing what ``gm`` computes, in ``schedule.nanobatches`` pieces.
-
-    ``exclusive(group_name)``: the collective kinds of which that group's backend cannot
-    have two in flight (``runtime.communicators.exclusive_kinds``); one is waited before the next
-    is issued. To materialise many schedules of one graph, build a ``NanobatchRewrite``.
-    """
-    rewrite = NanobatchRewrite(
-        gm, partitioning, collectives, placements, schedule.nanobatches, example_inputs, exclusive
-    )
-    return rewrite.materialise(schedule)
+class ScheduleError(KareusError, ValueError):
+    """A schedule materialised by a rewrite into another number of nanobatches."""
 
 
 Identity = tuple[object, ...]
@@ -101,7 +89,7 @@ class _NodePlan:
     """What emitting an original node needs that no schedule changes (found once)."""
 
     placement: NodePlacement
-    split: bool  # runs once per nanobatch
+    split: bool  # runs once per nanobatch (and so is resized to one)
     meta: dict[str, object]  # copied to its copies: all but what propagation writes
     sliced: dict[torch.fx.Node, int]  # whole operands sliced per nanobatch, along this dim
     resize: Resize | None
@@ -123,6 +111,11 @@ class _SegmentPlan:
 class NanobatchRewrite:
     """One graph's rewrite into ``k`` nanobatches, materialised for many schedules.
 
+    ``exclusive(group_name)``: the collective kinds of which that group's backend cannot
+    have two in flight (``GraphAnalysis.exclusive``); one is waited before the next is
+    issued. ``table``: the op facts (how an op's arguments resize, which operands it pairs
+    with its output), those the graph was analysed with.
+
     A search materialises hundreds of variants of one graph. Those with the same ``k``
     emit the same nodes, in another order and with collectives on other process groups,
     so all that does not depend on the schedule is found once: per original node how it
@@ -140,11 +133,12 @@ class NanobatchRewrite:
         k: int,
         example_inputs: Sequence[object],
         exclusive: Callable[[str], frozenset[str]] = lambda group_name: frozenset(),
+        table: OpTable = OP_TABLE,
     ):
         self.gm, self.k, self.exclusive = gm, k, exclusive
         place = placements.placements
-        self.nodes = {n: _node_plan(n, place) for n in gm.graph.nodes}
-        self.segments = _segment_plans(partitioning, collectives, self.nodes)
+        self.nodes = {n: _node_plan(n, place, table) for n in gm.graph.nodes}
+        self.segments = _segment_plans(partitioning, collectives, self.nodes, table)
         # Inductor passes fake inputs and reads node.meta["val"] in their mode.
         fake_mode = torch._guards.detect_fake_mode(example_inputs)
         self.fake_mode = fake_mode or FakeTensorMode()
@@ -161,7 +155,7 @@ class NanobatchRewrite:
         only reads the graph never pays for it.
         """
         if schedule.nanobatches != self.k:
-            raise ValueError(
+            raise ScheduleError(
                 f"a schedule of {schedule.nanobatches} nanobatches for a rewrite into {self.k}"
             )
         emitter = _Emitter(self, schedule)
@@ -186,32 +180,37 @@ class NanobatchRewrite:
             FakeTensorProp(gm, mode=self.fake_mode).run(*self.inputs, initial_env=env)
 
 
-def _node_plan(node: torch.fx.Node, place: dict[torch.fx.Node, NodePlacement]) -> _NodePlan:
+def _node_plan(
+    node: torch.fx.Node, place: dict[torch.fx.Node, NodePlacement], table: OpTable
+) -> _NodePlan:
     p = place[node]
     return _NodePlan(
         placement=p,
         split=per_nanobatch(p),
         meta={m: v for m, v in node.meta.items() if m not in _PROPAGATED},
-        sliced=sliced_operands(node, place),
-        resize=facts_of(node).resize,
+        sliced=_sliced_operands(node, place, table),
+        resize=table.facts_of(node).resize,
         join_early=isinstance(p, Partial)
         and any(u.op == "output" or not per_nanobatch(place[u]) for u in node.users),
     )
 
 
-def sliced_operands(
-    node: torch.fx.Node, place: dict[torch.fx.Node, NodePlacement]
+def _sliced_operands(
+    node: torch.fx.Node, place: dict[torch.fx.Node, NodePlacement], table: OpTable
 ) -> dict[torch.fx.Node, int]:
     """The whole operands that ``node``, run per nanobatch, takes a nanobatch's slice of,
     and along which dim (``_sliced_operand_dim``); none if it runs once."""
     if not per_nanobatch(place[node]):
         return {}
-    dims = {arg: _sliced_operand_dim(node, arg, place) for arg in node.all_input_nodes}
+    dims = {arg: _sliced_operand_dim(node, arg, place, table) for arg in node.all_input_nodes}
     return {arg: dim for arg, dim in dims.items() if dim is not None}
 
 
 def _sliced_operand_dim(
-    node: torch.fx.Node, arg: torch.fx.Node, place: dict[torch.fx.Node, NodePlacement]
+    node: torch.fx.Node,
+    arg: torch.fx.Node,
+    place: dict[torch.fx.Node, NodePlacement],
+    table: OpTable,
 ) -> int | None:
     """The dim along which split ``node`` slices whole operand ``arg`` per nanobatch: the
     op pairs it element by element with its split operands (an elementwise op's operand
@@ -219,7 +218,7 @@ def _sliced_operand_dim(
     p = place[node]
     if not isinstance(place[arg], (Replicate, Whole)):
         return None
-    facts = facts_of(node)
+    facts = table.facts_of(node)
     if facts.pointwise and isinstance(p, Split):
         dim = sliced_dim(arg, p, len(_shape(node)))
         return None if dim == -1 else dim
@@ -240,26 +239,36 @@ def _segment_plans(
     partitioning: GraphPartitioning,
     collectives: Sequence[Collective],
     nodes: dict[torch.fx.Node, _NodePlan],
+    table: OpTable,
 ) -> tuple[_SegmentPlan, ...]:
     partition_of = {p.collective.node: p for p in partitioning.partitions}
     plans = []
     for index, segment in enumerate(partitioning.segments):
         coll = collectives[index] if index < len(collectives) else None
         part = partition_of.get(coll.node) if coll else None
-        order = list(part.nodes) if part else canonical_order(segment)
-        split = [n for n in order if nodes[n].split]
-        slots = [set(s.nodes) for s in part.slots] if part else [{n.name for n in order}]
+        order = list(part.nodes) if part else canonical_order(segment, table)
+        slots = [s.nodes for s in part.slots] if part else [[n.name for n in order]]
         plans.append(
             _SegmentPlan(
                 collective=coll,
                 partition=part.index if part else None,
                 replicated=tuple(n for n in order if isinstance(nodes[n].placement, Replicate)),
-                slots=tuple(tuple(n for n in split if n.name in names) for names in slots),
+                slots=_split_by_slot(order, slots, nodes),
                 whole=tuple(n for n in order if isinstance(nodes[n].placement, Whole)),
                 collective_split=coll is not None and nodes[coll.node].split,
             )
         )
     return tuple(plans)
+
+
+def _split_by_slot(
+    order: Sequence[torch.fx.Node],
+    slots: Sequence[Collection[str]],
+    nodes: dict[torch.fx.Node, _NodePlan],
+) -> tuple[tuple[torch.fx.Node, ...], ...]:
+    """The split nodes of ``order`` per launch slot (``slots``: each one's node names)."""
+    split = [n for n in order if nodes[n].split]
+    return tuple(tuple(n for n in split if n.name in names) for names in map(set, slots))
 
 
 class _Emitter:
@@ -435,7 +444,6 @@ class _Emitter:
         self.once[node] = new
         p = self.nodes[node].placement
         if isinstance(p, Split):
-            size = _shape(node)[p.dim] // self.k
             base = new
             if not is_non_overlapping_and_dense_or_false(node.meta["val"]):
                 # Inductor (2.12-2.14) misses that a slice of a padded input overlaps the
@@ -447,7 +455,7 @@ class _Emitter:
                 )
             self.pieces[node] = [
                 self._call(
-                    aten.slice.Tensor, (base, p.dim, j * size, (j + 1) * size), ("input", node, j)
+                    aten.slice.Tensor, _slice_args(base, node, p.dim, self.k, j), ("input", node, j)
                 )
                 for j in range(self.k)
             ]
@@ -457,13 +465,10 @@ class _Emitter:
 
     def _copy(self, node: torch.fx.Node, j: int, group_name: str | None = None) -> torch.fx.Node:
         plan = self.nodes[node]
-        args, kwargs = torch.fx.node.map_arg(
-            (node.args, node.kwargs), lambda a: self._operand(plan, a, j)
+        args, kwargs = _copy_args(
+            node, plan, self.k, lambda a: self.piece(a, j), lambda a, dim: self._slice(a, dim, j),
+            group_name,
         )
-        if plan.resize is not None:
-            args = plan.resize(node, args, plan.placement, self.k)
-        if group_name is not None:
-            args = with_group(node, args, group_name)
         new = _create(self.graph, node.op, node.target, args, kwargs)
         self._record(new, ("piece", node, j))
         new.meta.update(plan.meta)
@@ -474,19 +479,14 @@ class _Emitter:
             self.whole(node)
         return new
 
-    def _operand(self, plan: _NodePlan, arg: torch.fx.Node, j: int) -> torch.fx.Node:
-        """Nanobatch ``j``'s operand: sliced where the op pairs a whole one element by
-        element with its split operands (``_sliced_operand_dim``)."""
-        dim = plan.sliced.get(arg)
-        if dim is None:
-            return self.piece(arg, j)
+    def _slice(self, arg: torch.fx.Node, dim: int, j: int) -> torch.fx.Node:
+        """Nanobatch ``j``'s slice of whole value ``arg`` along ``dim`` (all k made at once)."""
         key = (arg, dim)
         if key not in self.slices:
             whole = self.whole(arg)
-            size = _shape(arg)[dim] // self.k
             self.slices[key] = [
                 self._call(
-                    aten.slice.Tensor, (whole, dim, i * size, (i + 1) * size), ("slice", *key, i)
+                    aten.slice.Tensor, _slice_args(whole, arg, dim, self.k, i), ("slice", *key, i)
                 )
                 for i in range(self.k)
             ]
@@ -495,6 +495,111 @@ class _Emitter:
     def _output(self, node: torch.fx.Node) -> None:
         output = self.graph.output(torch.fx.node.map_arg(node.args[0], self.whole))
         self._record(output, ("output",))
+
+
+@dataclass(frozen=True)
+class IsolatedPartition:
+    """One partition alone (``isolated_partition``) and what each of its inputs stands for.
+
+    ``inputs[i]``: the node of the analysed graph whose value placeholder ``i`` takes, one
+    nanobatch of it where that value is split; the last is the collective's input (the
+    other nanobatch's). Outputs: the waited collective, then the compute's sinks.
+    """
+
+    gm: torch.fx.GraphModule
+    inputs: tuple[torch.fx.Node, ...]
+
+
+def isolated_partition(
+    partition: Partition,
+    placements: PlacementResult,
+    k: int,
+    slot: int,
+    group_name: str | None = None,
+    *,
+    table: OpTable = OP_TABLE,
+) -> IsolatedPartition:
+    """``partition`` as the rewrite into ``k`` nanobatches runs it, for one nanobatch, to be
+    measured alone: its compute, with the other nanobatch's collective issued before
+    launch slot ``slot`` (after the compute where ``slot`` is the number of slots) on
+    ``group_name`` (None: the graph's own) and waited at the end, where the rewrite joins.
+
+    As the rewrite runs them, nodes independent of the batch run once, before the
+    nanobatch's compute, and barriers (Whole) not at all: they run once per graph on joined
+    values, outside any one nanobatch's compute, so a barrier's value that the compute uses
+    comes in whole, like a value from outside the partition, and is sliced where the
+    rewrite slices it.
+    """
+    return _PartitionEmitter(partition, placements, k, table).emit(slot, group_name)
+
+
+class _PartitionEmitter:
+    """Emits one partition alone from the per-node plans the rewrite emits it from."""
+
+    def __init__(
+        self, partition: Partition, placements: PlacementResult, k: int, table: OpTable
+    ):
+        place = placements.placements
+        coll = partition.collective.node
+        self.partition, self.k = partition, k
+        self.nodes = {n: _node_plan(n, place, table) for n in (*partition.nodes, coll)}
+        if not self.nodes[coll].split:
+            raise CannotRewrite(
+                f"partition {partition.index}: its collective is not split into nanobatches"
+            )
+        self.computed = [n for n in partition.nodes if not isinstance(place[n], Whole)]
+        self.graph = torch.fx.Graph()
+        self.env: dict[torch.fx.Node, torch.fx.Node] = {}
+        self.slices: dict[tuple[torch.fx.Node, int], torch.fx.Node] = {}
+
+    def emit(self, slot: int, group_name: str | None) -> IsolatedPartition:
+        graph, coll = self.graph, self.partition.collective
+        computed = set(self.computed)
+        inputs = dict.fromkeys(
+            i for n in self.computed for i in n.all_input_nodes if i not in computed
+        )
+        for node in inputs:
+            self.env[node] = graph.placeholder(node.name)
+        source = coll.node.all_input_nodes[0]
+        other = graph.placeholder("other_nanobatch_input")
+        for node in self.computed:
+            if not self.nodes[node].split:
+                self._copy(node)
+        slots = _split_by_slot(self.computed, [s.nodes for s in self.partition.slots], self.nodes)
+        issued = None
+        for index, nodes in enumerate(slots):
+            if index == slot:
+                issued = self._issue(other, group_name)
+            for node in nodes:
+                self._copy(node)
+        if issued is None:
+            issued = self._issue(other, group_name)
+        waited = _create(graph, "call_function", coll.waits[0].target, (issued,), None)
+        sinks = [self.env[n] for n in self.computed if not any(u in computed for u in n.users)]
+        graph.output((waited, *sinks))
+        gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+        return IsolatedPartition(gm, (*inputs, source))
+
+    def _copy(self, node: torch.fx.Node) -> None:
+        args, kwargs = _copy_args(node, self.nodes[node], self.k, self.env.__getitem__, self._slice)
+        self.env[node] = _create(self.graph, node.op, node.target, args, kwargs)
+
+    def _issue(self, other: torch.fx.Node, group_name: str | None) -> torch.fx.Node:
+        """The other nanobatch's collective, on its input ``other``."""
+        node = self.partition.collective.node
+        args, kwargs = _copy_args(
+            node, self.nodes[node], self.k, lambda a: other, self._slice, group_name
+        )
+        return _create(self.graph, "call_function", node.target, args, kwargs)
+
+    def _slice(self, arg: torch.fx.Node, dim: int) -> torch.fx.Node:
+        """This nanobatch's slice of whole value ``arg`` along ``dim`` (the rewrite's first)."""
+        if (arg, dim) not in self.slices:
+            args = _slice_args(self.env[arg], arg, dim, self.k, 0)
+            self.slices[arg, dim] = _create(
+                self.graph, "call_function", aten.slice.Tensor, args, None
+            )
+        return self.slices[arg, dim]
 
 
 _getitem = operator.getitem
@@ -518,7 +623,36 @@ def _shape(node: torch.fx.Node) -> tuple[int, ...]:
     return tuple(int(d) for d in val.shape)
 
 
-def with_group(node: torch.fx.Node, args: tuple, group_name: str) -> tuple:
+def _copy_args(
+    node: torch.fx.Node,
+    plan: _NodePlan,
+    k: int,
+    value: Callable[[torch.fx.Node], torch.fx.Node],
+    slice_of: Callable[[torch.fx.Node, int], torch.fx.Node],
+    group_name: str | None = None,
+) -> tuple[tuple, dict[str, object]]:
+    """``node``'s arguments in one nanobatch, in every mode of the emitter: each operand
+    its ``value`` there, or ``slice_of`` it along a dim where the op pairs a whole operand
+    element by element with its split ones (``_sliced_operand_dim``); the shapes they spell
+    out resized to one nanobatch; a collective issued on ``group_name`` if given."""
+    args, kwargs = torch.fx.node.map_arg(
+        (node.args, node.kwargs),
+        lambda a: slice_of(a, plan.sliced[a]) if a in plan.sliced else value(a),
+    )
+    if plan.split and plan.resize is not None:
+        args = plan.resize(node, args, plan.placement, k)
+    if group_name is not None:
+        args = _with_group(node, args, group_name)
+    return args, kwargs
+
+
+def _slice_args(whole: torch.fx.Node, source: torch.fx.Node, dim: int, k: int, j: int) -> tuple:
+    """``aten.slice`` arguments taking nanobatch ``j`` of ``whole``, the value of ``source``."""
+    size = _shape(source)[dim] // k
+    return (whole, dim, j * size, (j + 1) * size)
+
+
+def _with_group(node: torch.fx.Node, args: tuple, group_name: str) -> tuple:
     """The same collective issued on another process group (a resource-capped one)."""
     index = position(node, "group_name")
     return (*args[:index], group_name, *args[index + 1 :])

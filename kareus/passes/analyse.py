@@ -9,7 +9,7 @@ structural hash, identical on every rank and across runs of the same program.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +17,8 @@ import torch
 import torch.fx
 
 from kareus.codegen.nanobatch import NanobatchRewrite
+from kareus.errors import KareusError
+from kareus.passes.backends import exclusive_kinds
 from kareus.passes.collectives import Collective, find_collectives
 from kareus.passes.interface import (
     ForwardInterface,
@@ -29,9 +31,13 @@ from kareus.passes.partition import GraphPartitioning, graph_hash, partition_gra
 from kareus.passes.placement import PlacementResult, Split, per_nanobatch, propagate
 from kareus.passes.reasons import Reason, ReasonKind
 from kareus.passes.variants import NANOBATCH_COUNTS, VariantSpace, variant_space
-from kareus.runtime.communicators import exclusive_kinds
 
 GRAPH_KINDS = ("forward", "backward", "inference")
+
+
+class GraphKindError(KareusError, ValueError):
+    """A graph kind ``analyse`` does not know."""
+
 
 ForwardInterfaces = Mapping[int, ForwardInterface]
 """What a forward tells its backward, per nanobatch count."""
@@ -51,6 +57,7 @@ class GraphAnalysis:
     space: VariantSpace
     interfaces: ForwardInterfaces  # forward graphs: what their backward needs, per k > 1
     exclusive: Mapping[str, frozenset[str]]  # group -> collective kinds never two in flight
+    table: OpTable = field(compare=False, repr=False)  # the op facts it was analysed with
     rewrites: dict[int, NanobatchRewrite] = field(
         default_factory=dict, compare=False, repr=False
     )  # the k-way emitted graphs ``apply`` materialises variants from (a cache)
@@ -66,21 +73,25 @@ def analyse(
     kind: str,
     forward: ForwardInterfaces | None = None,
     *,
+    backend: str | None = None,
     static_input_idxs: Sequence[int] = (),
     label: str | None = None,
     table: OpTable = OP_TABLE,
-    exclusive: Callable[[str], frozenset[str]] = exclusive_kinds,
 ) -> GraphAnalysis:
     """Analyse ``gm`` (an AOT graph with ``node.meta["val"]``) of the given ``kind``.
 
     ``forward``: for a backward graph, the ``interfaces`` of its forward's analysis;
-    ``static_input_idxs``: for a forward, its parameters and buffers (as Inductor passes them).
+    ``backend``: the kind of its collectives' process-group backend ("nccl", "gloo",
+    "fake"; None offline), which says what resources a collective can have and what may
+    not be in flight twice (``passes.backends``); ``static_input_idxs``: for a forward, its
+    parameters and buffers (as Inductor passes them); ``table``: the op facts every stage
+    reads (kept on the result, so the rewrite and the profiler read the same).
     """
     if kind not in GRAPH_KINDS:
-        raise ValueError(f"kind must be one of {GRAPH_KINDS}, got {kind!r}")
+        raise GraphKindError(f"kind must be one of {GRAPH_KINDS}, got {kind!r}")
     graph = gm.graph
     collectives = tuple(find_collectives(graph))
-    partitioning = partition_graph(graph, collectives)
+    partitioning = partition_graph(graph, collectives, table)
     symbolic = symbolic_shapes(graph)
     placements, infeasible = {}, {}
     for k in NANOBATCH_COUNTS[1:]:
@@ -104,16 +115,17 @@ def analyse(
     return GraphAnalysis(
         label=label or kind,
         kind=kind,
-        key=graph_hash(graph),
-        shape_free_key=graph_hash(graph, shapes=False),
+        key=graph_hash(graph, table),
+        shape_free_key=graph_hash(graph, table, shapes=False),
         num_nodes=len(graph.nodes),
         example_inputs=tuple(example_inputs),
         collectives=collectives,
         partitioning=partitioning,
         placements=placements,
-        space=variant_space(partitioning, placements, infeasible),
+        space=variant_space(partitioning, placements, infeasible, backend),
         interfaces=interfaces,
-        exclusive={c.group_name: exclusive(c.group_name) for c in collectives},
+        exclusive={c.group_name: exclusive_kinds(backend) for c in collectives},
+        table=table,
     )
 
 

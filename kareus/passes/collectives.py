@@ -15,6 +15,7 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
+from kareus.errors import KareusError
 from kareus.passes.schema import arguments
 
 _c10d = torch.ops._c10d_functional
@@ -30,6 +31,10 @@ COLLECTIVE_OPS: dict[torch._ops.OpOverload, tuple[str, bool]] = {
     _c10d.reduce_scatter_tensor_coalesced.default: ("reduce_scatter", True),
 }
 WAIT_OP = _c10d.wait_tensor.default
+
+
+class MalformedGraphError(KareusError, ValueError):
+    """A graph without what AOT autograd gives it (tensor metadata on a collective's input)."""
 
 
 @dataclass(frozen=True)
@@ -115,8 +120,7 @@ def size_hint(size: int | torch.SymInt) -> int:
 def _meta_val(node: torch.fx.Node) -> torch.Tensor:
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor):
-        # A node without (tensor) metadata is a malformed graph, not an argument of the wrong type.
-        raise ValueError(f"collective input {node.name} has no tensor metadata")  # noqa: TRY004
+        raise MalformedGraphError(f"collective input {node.name} has no tensor metadata")
     return val
 
 

@@ -6,7 +6,8 @@ random, its placement rule (``placement.py``), how its arguments resize to one n
 which of its operands are laid out like its output (per-sample masks), which input a
 gather reads only in part, and which operands it reads only the shape of (fills).
 Partitioning (slots, keys), placement, the rewrite and the simulated GPU all read this
-table, so adding an op is one entry here.
+table, so adding an op is one entry here. Each is given the table (``OP_TABLE`` unless a
+caller passes another, ``OpTable.with_entries``); the analysis keeps the one it used.
 
 Ops missing from the table get facts from their ATen tags and schema: ``pointwise`` ops
 follow the broadcasting rule, ``nondeterministic_seeded`` ops are random (they end a split
@@ -19,7 +20,7 @@ from __future__ import annotations
 import operator
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from enum import Enum
 from types import MappingProxyType
 
@@ -271,15 +272,18 @@ class OpTable:
             return found
         return _from_tags(target)
 
+    def facts_of(self, node: torch.fx.Node) -> OpFacts:
+        """The facts of the op ``node`` calls (placeholders and outputs: free, no rule)."""
+        if node.op != "call_function":
+            return _FREE
+        return self.facts(node.target)
+
     def rule(self, target: object) -> Rule | None:
         return self.facts(target).placement
 
     def with_entries(self, entries: Mapping[object, OpFacts]) -> OpTable:
         """A copy with ``entries`` added or replaced (tests, experiments)."""
         return OpTable({**self._entries, **entries})
-
-    def without_rule(self, *targets: object) -> OpTable:
-        return self.with_entries({t: replace(self.facts(t), placement=None) for t in targets})
 
 
 def _from_tags(target: object) -> OpFacts:
@@ -312,16 +316,3 @@ DEFAULT_CLOCK_MHZ = 0
 """The clock a ``set_clock`` asks for to mean "the device's default clocks" (no lock): the
 one spelling of the default clock, in decisions, plans and every device."""
 
-
-def resize_args(node: torch.fx.Node, args: tuple, p: NodePlacement, k: int) -> tuple:
-    """``node``'s arguments (already mapped to one nanobatch's values) with the shapes they
-    spell out resized to one nanobatch, where its op has such arguments."""
-    resize = facts_of(node).resize
-    return args if resize is None else resize(node, args, p, k)
-
-
-def facts_of(node: torch.fx.Node) -> OpFacts:
-    """The facts of the op ``node`` calls (placeholders and outputs: free, no rule)."""
-    if node.op != "call_function":
-        return _FREE
-    return OP_TABLE.facts(node.target)

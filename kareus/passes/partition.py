@@ -29,7 +29,7 @@ import torch.fx
 from torch.utils._pytree import tree_leaves
 
 from kareus.passes.collectives import Collective, find_collectives, is_collective, is_wait
-from kareus.passes.ops import facts_of
+from kareus.passes.ops import OP_TABLE, OpTable
 
 aten = torch.ops.aten
 
@@ -63,8 +63,11 @@ class GraphPartitioning:
     notes: tuple[str, ...]
 
 
-def partition_graph(graph: torch.fx.Graph, collectives: Sequence[Collective]) -> GraphPartitioning:
-    """Segments and partitions of ``graph``; ``notes`` say why a collective got no partition."""
+def partition_graph(
+    graph: torch.fx.Graph, collectives: Sequence[Collective], table: OpTable = OP_TABLE
+) -> GraphPartitioning:
+    """Segments and partitions of ``graph``; ``notes`` say why a collective got no partition.
+    ``table`` says which ops launch kernels and which are heavy (the slots and keys)."""
     segment_of = _assign_segments(graph, collectives)
     segments: list[list[torch.fx.Node]] = [[] for _ in range(len(collectives) + 1)]
     for node in graph.nodes:
@@ -73,26 +76,26 @@ def partition_graph(graph: torch.fx.Graph, collectives: Sequence[Collective]) ->
 
     partitions, notes = [], []
     for coll, seg in zip(collectives, segments):
-        why_not = _why_no_partition(coll, seg)
+        why_not = _why_no_partition(coll, seg, table)
         if why_not:
             notes.append(f"{coll.name} ({coll.kind}): {why_not}")
             continue
-        ordered = canonical_order(seg)
+        ordered = canonical_order(seg, table)
         partitions.append(
             Partition(
                 index=len(partitions),
                 collective=coll,
                 nodes=tuple(ordered),
-                slots=_slots(ordered),
-                key=structural_key(ordered, coll),
+                slots=_slots(ordered, table),
+                key=structural_key(ordered, coll, table),
             )
         )
     notes.extend(_in_flight_notes(collectives))
     return GraphPartitioning(tuple(tuple(s) for s in segments), tuple(partitions), tuple(notes))
 
 
-def is_free(node: torch.fx.Node) -> bool:
-    return not facts_of(node).launches_kernel
+def _is_free(node: torch.fx.Node, table: OpTable) -> bool:
+    return not table.facts_of(node).launches_kernel
 
 
 def _is_compute(node: torch.fx.Node) -> bool:
@@ -135,10 +138,12 @@ def _assign_segments(
     return {n: int(segment[n]) for n in graph.nodes if _is_compute(n)}
 
 
-def _why_no_partition(coll: Collective, segment: Sequence[torch.fx.Node]) -> str | None:
+def _why_no_partition(
+    coll: Collective, segment: Sequence[torch.fx.Node], table: OpTable
+) -> str | None:
     if not coll.waits:
         return "its result is never waited on, so it has no completion point to overlap up to"
-    if all(is_free(n) for n in segment):
+    if all(_is_free(n, table) for n in segment):
         return "no compute produces its input (only graph inputs or views), nothing to overlap"
     return None
 
@@ -156,13 +161,13 @@ def _in_flight_notes(collectives: Sequence[Collective]) -> list[str]:
     return notes
 
 
-def _slots(segment: Sequence[torch.fx.Node]) -> tuple[Slot, ...]:
+def _slots(segment: Sequence[torch.fx.Node], table: OpTable) -> tuple[Slot, ...]:
     groups: list[tuple[str, list[torch.fx.Node]]] = []
     pending: list[torch.fx.Node] = []  # free ops waiting for a group to join
     for node in segment:
-        cost = facts_of(node).cost
+        cost = table.facts_of(node).cost
         kind = cost.value if cost.heavy else None
-        if is_free(node):
+        if _is_free(node, table):
             if groups and groups[-1][0] == "memory":
                 groups[-1][1].append(node)
             else:
@@ -178,15 +183,15 @@ def _slots(segment: Sequence[torch.fx.Node]) -> tuple[Slot, ...]:
     if pending and groups:
         groups[-1][1].extend(pending)
     return tuple(
-        Slot(i, kind, _slot_label(kind, nodes), tuple(n.name for n in nodes))
+        Slot(i, kind, _slot_label(kind, nodes, table), tuple(n.name for n in nodes))
         for i, (kind, nodes) in enumerate(groups)
     )
 
 
-def _slot_label(kind: str, nodes: Sequence[torch.fx.Node]) -> str:
+def _slot_label(kind: str, nodes: Sequence[torch.fx.Node], table: OpTable) -> str:
     if kind == "memory":
-        return f"mem×{sum(1 for n in nodes if not is_free(n))}"
-    heavy = next(n for n in nodes if facts_of(n).cost.heavy)
+        return f"mem×{sum(1 for n in nodes if not _is_free(n, table))}"
+    heavy = next(n for n in nodes if table.facts_of(n).cost.heavy)
     name = heavy.target.overloadpacket.__name__
     if kind == "matmul":
         return name.strip("_")
@@ -194,7 +199,7 @@ def _slot_label(kind: str, nodes: Sequence[torch.fx.Node]) -> str:
     return {"attention": "attn", "convolution": "conv"}[kind] + suffix
 
 
-def canonical_order(segment: Sequence[torch.fx.Node]) -> list[torch.fx.Node]:
+def canonical_order(segment: Sequence[torch.fx.Node], table: OpTable) -> list[torch.fx.Node]:
     """The segment in an order that depends on its structure alone, not on node order.
 
     AOT autograd orders the nodes of different layers' backward differently (recomputed
@@ -205,11 +210,11 @@ def canonical_order(segment: Sequence[torch.fx.Node]) -> list[torch.fx.Node]:
     to program order (the q, k, v projections of attention come out side by side).
     """
     members = set(segment)
-    digest = _node_hashes(segment)
+    digest = _node_hashes(segment, table)
     depth: dict[torch.fx.Node, int] = {}
     for node in segment:  # graph order is topological
         inputs = [depth[i] for i in node.all_input_nodes if i in members]
-        depth[node] = max(inputs, default=0) + (0 if _key_transparent(node) else 1)
+        depth[node] = max(inputs, default=0) + (0 if _key_transparent(node, table) else 1)
     waiting = {n: sum(1 for i in n.all_input_nodes if i in members) for n in segment}
     ready = [(depth[n], digest[n], i, n) for i, n in enumerate(segment) if waiting[n] == 0]
     heapq.heapify(ready)
@@ -226,7 +231,9 @@ def canonical_order(segment: Sequence[torch.fx.Node]) -> list[torch.fx.Node]:
 
 
 def _node_hashes(
-    segment: Sequence[torch.fx.Node], sig: Callable[[torch.fx.Node], object] | None = None
+    segment: Sequence[torch.fx.Node],
+    table: OpTable,
+    sig: Callable[[torch.fx.Node], object] | None = None,
 ) -> dict[torch.fx.Node, str]:
     """Merkle hash of every node over its op, constants, output type and inputs' hashes
     (``sig``: how a value's type is described; default its shape and dtype)."""
@@ -235,15 +242,15 @@ def _node_hashes(
     digest: dict[torch.fx.Node, str] = {}
     for node in segment:  # graph order is topological
         token = (
-            _ref(node, members, digest.__getitem__, sig)
-            if _key_transparent(node)
-            else _token(node, lambda a: _ref(a, members, digest.__getitem__, sig), sig)
+            _ref(node, members, digest.__getitem__, table, sig)
+            if _key_transparent(node, table)
+            else _token(node, lambda a: _ref(a, members, digest.__getitem__, table, sig), sig)
         )
         digest[node] = hashlib.sha1(repr(token).encode()).hexdigest()
     return digest
 
 
-def graph_hash(graph: torch.fx.Graph, *, shapes: bool = True) -> str:
+def graph_hash(graph: torch.fx.Graph, table: OpTable, *, shapes: bool = True) -> str:
     """Structural identity of a whole graph: ops, argument structure, shapes, dtypes, groups.
 
     Identical on every rank that traced the same program (node names, Python scalars and
@@ -253,8 +260,8 @@ def graph_hash(graph: torch.fx.Graph, *, shapes: bool = True) -> str:
     (tokens routed to each expert of a mixture of experts).
     """
     nodes = list(graph.nodes)
-    digest = _node_hashes(nodes, None if shapes else _dtype_sig)
-    parts: list[object] = sorted(digest[n] for n in nodes if not _key_transparent(n))
+    digest = _node_hashes(nodes, table, None if shapes else _dtype_sig)
+    parts: list[object] = sorted(digest[n] for n in nodes if not _key_transparent(n, table))
     # A group is named, not sized, in the graph: the same program on a group of other
     # size is another graph (other costs, other participants).
     parts.append([(c.kind, c.group_size) for c in find_collectives(graph)])
@@ -266,14 +273,14 @@ _SCALAR_IDENTITY_OPS = frozenset(
 )
 
 
-def _key_transparent(node: torch.fx.Node) -> bool:
+def _key_transparent(node: torch.fx.Node, table: OpTable) -> bool:
     """Free, or arithmetic with a Python number (which Inductor drops when it is 0 or 1).
 
     torch 2.14's ``remove_no_ops`` (joint graph) removes ``x - 0``: a vocab-parallel
     embedding's offset is 0 on rank 0 only, so such ops must not enter the key or the
     canonical order, which every rank must derive alike.
     """
-    if is_free(node):
+    if _is_free(node, table):
         return True
     return node.target in _SCALAR_IDENTITY_OPS and any(
         isinstance(a, (int, float)) and not isinstance(a, bool) for a in node.args
@@ -284,6 +291,7 @@ def _ref(
     arg: torch.fx.Node,
     members: set[torch.fx.Node],
     ident: Callable[[torch.fx.Node], object],
+    table: OpTable,
     sig: Callable[[torch.fx.Node], object] | None = None,
 ) -> tuple[object, ...]:
     """How a partition refers to a value: its source and the value's shape and dtype.
@@ -295,9 +303,9 @@ def _ref(
     outside the partition.
     """
     node = arg
-    while node in members and _key_transparent(node) and node.all_input_nodes:
+    while node in members and _key_transparent(node, table) and node.all_input_nodes:
         node = node.all_input_nodes[0]
-    source = ident(node) if node in members and not _key_transparent(node) else "in"
+    source = ident(node) if node in members and not _key_transparent(node, table) else "in"
     return (source, (sig or _tensor_sig)(arg))
 
 
@@ -324,7 +332,7 @@ def _token(
     )
 
 
-def structural_key(ordered: Sequence[torch.fx.Node], coll: Collective) -> str:
+def structural_key(ordered: Sequence[torch.fx.Node], coll: Collective, table: OpTable) -> str:
     """Hash of the op sequence, argument structure, shapes and dtypes, and the collective.
 
     ``ordered`` is the canonical order of the partition's compute. Node names and free
@@ -332,11 +340,11 @@ def structural_key(ordered: Sequence[torch.fx.Node], coll: Collective) -> str:
     produced outside the partition are described by their shape and dtype only.
     """
     members = set(ordered)
-    work = [n for n in ordered if not _key_transparent(n)]
+    work = [n for n in ordered if not _key_transparent(n, table)]
     local = {n: i for i, n in enumerate(work)}
 
     def ref(arg: torch.fx.Node) -> object:
-        return _ref(arg, members, local.__getitem__)
+        return _ref(arg, members, local.__getitem__, table)
 
     parts: list[object] = [_token(n, ref) for n in work]
     parts.append(

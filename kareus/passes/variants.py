@@ -4,8 +4,9 @@ A variant is one point: ``k`` nanobatches, for every partition the slot at which
 other nanobatch's collective is issued and the CTA cap of that collective. Which
 partitions can overlap depends on ``k`` (a split region may end earlier with more
 nanobatches), so the choices are kept per count. Any point can be materialised as the
-whole rewritten graph (``passes.apply``) or as one partition alone
-(``profiler.workloads.partition_workload``) for isolated profiling.
+whole rewritten graph (``codegen.apply``) or as one partition alone
+(``codegen.nanobatch.isolated_partition``) for isolated profiling. The resources a
+collective can be given depend on its group's backend (``passes.backends``).
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from kareus.errors import KareusError
+from kareus.passes.backends import resource_choices
 from kareus.passes.partition import GraphPartitioning
 from kareus.passes.placement import PlacementResult, per_nanobatch
 from kareus.passes.reasons import Reason
-from kareus.runtime.communicators import resource_choices
 
 NANOBATCH_COUNTS = (1, 2, 4)
 
@@ -117,8 +118,10 @@ def variant_space(
     partitioning: GraphPartitioning,
     placements: Mapping[int, PlacementResult],
     infeasible: Mapping[int, Reason],
+    backend: str | None = None,
 ) -> VariantSpace:
-    """The space of a graph from its placements per count ``k > 1``."""
+    """The space of a graph from its placements per count ``k > 1``; ``backend``: the kind
+    of its process group's backend, which says what resources a collective can be given."""
     counts = tuple(k for k in NANOBATCH_COUNTS if k not in infeasible)
     choices = {}
     for k in counts[1:]:
@@ -134,7 +137,7 @@ def variant_space(
                     c.name,
                     c.group_name,
                     launch_slots=len(p.slots) + 1 if split else 1,
-                    resources=resource_choices(c.kind, c.group_name) if split else (None,),
+                    resources=resource_choices(c.kind, backend) if split else (None,),
                 )
             )
         choices[k] = tuple(parts)

@@ -167,7 +167,7 @@ class _Search:
     ) -> None:
         self.choices, self.partition = members[0]
         self.indices = tuple(c.index for c, _ in members)
-        self.placements = analysis.placements[k]
+        self.placements, self.table = analysis.placements[k], analysis.table
         self.k, self.device, self.store, self.settings = k, device, store, settings
         self.lower, self.communicators = lower, communicators
         self.label = f"{analysis.label} p{self.choices.index} ({self.choices.key[:8]})"
@@ -279,7 +279,7 @@ class _Search:
                 group = self.communicators.capped(self.choices.group_name, cap)
             workload = partition_workload(
                 self.partition, self.placements, self.k, slot, group_name=group,
-                world_size=self.team.group_size, lower=self.lower,
+                world_size=self.team.group_size, lower=self.lower, table=self.table,
             )
             (collective,) = (c.name for c in find_collectives(workload.gm.graph))
             self._workloads[slot, cap] = workload, collective

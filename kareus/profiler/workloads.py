@@ -2,7 +2,9 @@
 
 A partition's workload is the compute of its segment for one nanobatch with the other
 nanobatch's collective issued at a launch slot, on random inputs of one nanobatch's shapes,
-so that partitions sharing a key are measured once (REFERENCE.md section 1).
+so that partitions sharing a key are measured once (REFERENCE.md section 1). Its graph is
+what the rewrite emits of the partition (``codegen.nanobatch.isolated_partition``); this
+module adds what measuring it needs: inputs, tensor metadata, a lowering.
 """
 
 from __future__ import annotations
@@ -16,13 +18,11 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from kareus.codegen.nanobatch import sliced_operands, with_group
+from kareus.codegen.nanobatch import isolated_partition
 from kareus.devices.base import Workload
-from kareus.passes.ops import resize_args
+from kareus.passes.ops import OP_TABLE, OpTable
 from kareus.passes.partition import Partition
-from kareus.passes.placement import NodePlacement, PlacementResult, Split, Whole, per_nanobatch
-
-aten = torch.ops.aten
+from kareus.passes.placement import NodePlacement, PlacementResult, Split
 
 Lower = Callable[[torch.fx.GraphModule, list[torch.Tensor]], Callable[[list[Any]], Any]]
 """Compiles a graph for its example inputs into a boxed callable (``codegen.lowering.lower``
@@ -37,90 +37,21 @@ def partition_workload(
     group_name: str | None = None,
     world_size: int = 1,
     lower: Lower | None = None,
+    *,
+    table: OpTable = OP_TABLE,
 ) -> Workload:
     """One partition alone, for isolated profiling: a nanobatch's compute of the segment
-    with the other nanobatch's collective issued at ``slot`` and waited at the end, on
-    random inputs of one nanobatch's shapes (run it where the collective's group exists).
-    The graph's metadata comes from fake inputs; the real ones are made at the first run,
-    so a model that only costs the graph never allocates them. ``lower`` compiles the
-    variant (at its first run) as the training graph will run, so that a real GPU measures
-    the kernels that will run; without it the variant runs op by op.
+    with the other nanobatch's collective issued at ``slot`` and waited at the end
+    (``codegen.nanobatch.isolated_partition``), on random inputs of one nanobatch's shapes
+    (run it where the collective's group exists). The graph's metadata comes from fake
+    inputs; the real ones are made at the first run, so a model that only costs the graph
+    never allocates them. ``lower`` compiles the variant (at its first run) as the training
+    graph will run, so that a real GPU measures the kernels that will run; without it the
+    variant runs op by op.
     """
-    place = placements.placements
-    if not per_nanobatch(place[partition.collective.node]):
-        raise ValueError(
-            f"partition {partition.index}: its collective is not split into nanobatches"
-        )
-    # As the rewrite runs them: nodes independent of the batch once, before the nanobatches'
-    # compute; barriers (Whole) once per graph on joined values, so outside any one
-    # nanobatch's compute: a barrier's value that the partition's compute uses comes in
-    # whole, like a value from outside the partition, and is sliced where the rewrite
-    # slices it.
-    members = set(partition.nodes)
-    barriers = {n for n in partition.nodes if isinstance(place[n], Whole)}
-    computed = [n for n in partition.nodes if n not in barriers]
-    graph = torch.fx.Graph()
-    env: dict[torch.fx.Node, torch.fx.Node] = {}
-    specs: list[tuple[torch.Tensor, NodePlacement]] = []
-
-    def add_input(node: torch.fx.Node, name: str) -> torch.fx.Node:
-        val = node.meta.get("val")
-        if not isinstance(val, torch.Tensor):
-            raise TypeError(
-                f"partition {partition.index}: its compute takes {node.name}, which is not a "
-                f"tensor ({type(val).__name__})"
-            )
-        specs.append((val, place[node]))
-        return graph.placeholder(name)
-
-    needed = [i for n in computed for i in n.all_input_nodes if i not in members or i in barriers]
-    for node in dict.fromkeys(needed):
-        env[node] = add_input(node, node.name)
-    coll = partition.collective
-    other = add_input(coll.node.all_input_nodes[0], "other_nanobatch_input")
-    slices: dict[tuple[torch.fx.Node, int], torch.fx.Node] = {}
-
-    def operand(node: torch.fx.Node, dims: dict[torch.fx.Node, int]) -> torch.fx.Node:
-        if node not in dims:
-            return env[node]
-        key = (node, dims[node])
-        if key not in slices:
-            size = node.meta["val"].shape[key[1]] // k
-            slices[key] = graph.call_function(aten.slice.Tensor, (env[node], key[1], 0, size))
-        return slices[key]
-
-    def emit(node: torch.fx.Node) -> None:
-        dims = sliced_operands(node, place)
-        args, kwargs = torch.fx.node.map_arg(
-            (node.args, node.kwargs), lambda a: operand(a, dims)
-        )
-        if per_nanobatch(place[node]):
-            args = resize_args(node, args, place[node], k)
-        env[node] = graph.create_node(node.op, node.target, args, kwargs)
-
-    def issue() -> torch.fx.Node:
-        args = torch.fx.node.map_arg(coll.node.args, lambda a: other)
-        if group_name is not None:
-            args = with_group(coll.node, args, group_name)
-        return graph.call_function(coll.node.target, args)
-
-    for node in computed:
-        if not per_nanobatch(place[node]):
-            emit(node)
-    issued = None
-    for index, s in enumerate(partition.slots):
-        if index == slot:
-            issued = issue()
-        for node in computed:
-            if node.name in s.nodes and per_nanobatch(place[node]):
-                emit(node)
-    if issued is None:
-        issued = issue()
-    waited = graph.call_function(coll.waits[0].target, (issued,))  # joined at the end
-    emitted = set(computed)
-    sinks = [env[n] for n in computed if not any(u in emitted for u in n.users)]
-    graph.output((waited, *sinks))
-    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    alone = isolated_partition(partition, placements, k, slot, group_name, table=table)
+    specs = [(_tensor_value(partition, node), placements.placements[node]) for node in alone.inputs]
+    gm = alone.gm
     mode = FakeTensorMode()
     with mode:
         fake_inputs = [_random_like(val, p, k) for val, p in specs]
@@ -145,6 +76,17 @@ def partition_workload(
         run=lambda: runner()(list(inputs())),  # a boxed callable may clear its list
         world_size=world_size,
     )
+
+
+def _tensor_value(partition: Partition, node: torch.fx.Node) -> torch.Tensor:
+    """The value ``node`` gives the partition's compute: random inputs need a tensor."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        raise TypeError(
+            f"partition {partition.index}: its compute takes {node.name}, which is not a "
+            f"tensor ({type(val).__name__})"
+        )
+    return val
 
 
 def _random_like(val: torch.Tensor, p: NodePlacement, k: int) -> torch.Tensor:

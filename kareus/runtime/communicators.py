@@ -5,7 +5,8 @@ it runs; fewer CTAs slow the collective and speed the overlapped compute. NCCL f
 count per communicator, so a cap is realised by a sub-communicator of the same ranks
 created with ``max_ctas``: one per distinct (group, cap), created once and reused, by the
 group's ranks only, in the same order on each (``nccl_capped_group``). Other backends
-(gloo) have no such knob.
+(gloo) have no such knob: what each backend kind allows is analysis knowledge
+(``passes.backends``); the analysis is told the kind of a graph's group (``graph_backend``).
 """
 
 from __future__ import annotations
@@ -14,43 +15,28 @@ import threading
 from collections.abc import Callable
 
 import torch.distributed as dist
+import torch.fx
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from kareus.errors import KareusError
+from kareus.passes.collectives import is_collective
+from kareus.passes.schema import arguments
 
-# The method's search ranges (REFERENCE.md section 1): thread blocks given to all-reduce
-# 3..30 step 3, to all-gather / reduce-scatter 1..20.
-_CTA_CHOICES = {
-    "all_reduce": tuple(range(3, 31, 3)),
-    "all_gather": tuple(range(1, 21)),
-    "reduce_scatter": tuple(range(1, 21)),
-}
 
 def backend_of(group_name: str) -> str | None:
+    """The backend kind of process group ``group_name`` ("nccl", "gloo", "fake"); None
+    for a group this process does not know (a graph planned offline)."""
     try:
         return dist.get_backend(_resolve_process_group(group_name))
-    except RuntimeError:  # a group this process does not know (a graph planned offline)
+    except RuntimeError:
         return None
 
 
-# Collective kinds of which a backend cannot have two in flight on one group. torch 2.11-2.14
-# with gloo: two or more functional all-gathers (``allgather_into_tensor_coalesced``) in
-# flight on one group corrupt the heap (``malloc(): unaligned fastbin chunk detected``),
-# reproduced without kareus by issuing 2-4 of them before waiting; reduce-scatters and
-# ``dist.all_gather_into_tensor(async_op=True)`` are fine.
-_EXCLUSIVE_KINDS = {"gloo": frozenset({"all_gather"})}
-
-
-def exclusive_kinds(group_name: str) -> frozenset[str]:
-    """Kinds of collective that must not overlap one another on ``group_name``."""
-    return _EXCLUSIVE_KINDS.get(backend_of(group_name) or "", frozenset())
-
-
-def resource_choices(kind: str, group_name: str) -> tuple[int | None, ...]:
-    """CTA caps worth searching for a collective (None: the library's default)."""
-    if backend_of(group_name) != "nccl":
-        return (None,)
-    return (None, *_CTA_CHOICES.get(kind, ()))
+def graph_backend(graph: torch.fx.Graph) -> str | None:
+    """The backend kind of the group of ``graph``'s first collective, which ``analyse`` is
+    told (None: the graph has none, or its group is not known here)."""
+    first = next((n for n in graph.nodes if is_collective(n)), None)
+    return None if first is None else backend_of(str(arguments(first)["group_name"]))
 
 
 MakeGroup = Callable[[str, int], str]

@@ -13,13 +13,14 @@ import torch
 import torch.distributed as dist
 import torch.fx
 from conftest import tp_llama
+from one_shot import nanobatch_graph
 from torch._guards import detect_fake_mode
 from torch._inductor.compile_fx import compile_fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.testing import FileCheck
 from torch.utils._pytree import tree_leaves
 
-from kareus.codegen.nanobatch import NanobatchRewrite, Schedule, nanobatch_graph
+from kareus.codegen.nanobatch import NanobatchRewrite, Schedule
 from kareus.passes.collectives import Collective, find_collectives
 from kareus.passes.interface import backward_inputs, forward_inputs, record_forward
 from kareus.passes.ops import OP_TABLE

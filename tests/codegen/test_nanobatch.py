@@ -2,6 +2,7 @@
 
 import random
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,12 +11,13 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from conftest import analysed, tp_llama
 from memory import peak_memory_bytes
+from one_shot import nanobatch_graph
 from torch._inductor.utils import run_and_get_code
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from kareus import KareusBackend, ReasonKind
 from kareus.codegen.apply import apply
-from kareus.codegen.nanobatch import Schedule, nanobatch_graph
+from kareus.codegen.nanobatch import Schedule
 from kareus.passes.decide import Policy, decide
 from kareus.passes.ops import OP_TABLE
 from kareus.passes.partition import partition_graph
@@ -224,7 +226,8 @@ def test_joined_broadcast_values_keep_a_unit_stride_last_dim():
     gm = make_fx(_gqa)(*inputs)
     attention = aten._scaled_dot_product_flash_attention_for_cpu.default
     x = next(iter(gm.graph.find_nodes(op="placeholder")))
-    placements = propagate(gm.graph, {x: Split(0)}, 2, OP_TABLE.without_rule(attention))
+    no_rule = replace(OP_TABLE.facts(attention), placement=None)
+    placements = propagate(gm.graph, {x: Split(0)}, 2, OP_TABLE.with_entries({attention: no_rule}))
     assert [(b.kind, b.detail) for b in placements.barriers] == [
         (ReasonKind.NO_RULE, f"no placement rule for {attention}")
     ]
@@ -270,12 +273,9 @@ def test_exclusive_collectives_are_never_two_in_flight(fake_pg):
         tp_llama(2, sequence_parallel=True), torch.randint(0, 256, (4, 16)), backward=False
     )
     graphs = {}
-    for name, exclusive in [
-        ("free", lambda group: frozenset()),
-        ("gloo", lambda group: frozenset({"all_gather"})),
-    ]:
+    for name, backend in [("free", "fake"), ("gloo", "gloo")]:
         a = analyse(
-            g.gm, g.inputs, g.kind, static_input_idxs=g.static_input_idxs, exclusive=exclusive
+            g.gm, g.inputs, g.kind, backend=backend, static_input_idxs=g.static_input_idxs
         )
         graphs[name] = apply(g.gm, a, decide(a, Policy(4)).choice).graph
     assert _most_all_gathers_in_flight(graphs["free"]) > 1

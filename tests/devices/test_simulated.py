@@ -230,9 +230,9 @@ def test_sweep_equals_measure_at_each_clock_and_costs_the_graph_once(monkeypatch
     gpu, work = SimulatedGPU(A100), Workload("gemm", gemm(2048))
     costed = []
 
-    def counting_cost(gm, world_size=1):
+    def counting_cost(gm, world_size=1, **kwargs):
         costed.append(gm)
-        return graph_cost(gm, world_size)
+        return graph_cost(gm, world_size, **kwargs)
 
     monkeypatch.setattr(simulated, "graph_cost", counting_cost)
     sweep = gpu.sweep(work)

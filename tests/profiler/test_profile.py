@@ -228,7 +228,7 @@ def test_a_real_gpu_measures_a_capped_collective_on_a_capped_communicator(fake_p
     from kareus.profiler.measure import Protocol
     from kareus.runtime.communicators import Communicators
 
-    monkeypatch.setattr(variants, "resource_choices", lambda kind, group: (None, 4))
+    monkeypatch.setattr(variants, "resource_choices", lambda kind, backend: (None, 4))
     (_, analysis), _ = analysed(AllReduceBlock(), torch.randn(4, 8))
     made = []
 

@@ -97,7 +97,7 @@ from kareus.devices.errors import (
 from kareus.devices.sim.presets import TENSOR_TIME_SCALE, GPUSpec, load_preset
 from kareus.passes.collectives import WAIT_OP, find_collectives, size_hint
 from kareus.passes.collectives import Collective as CollectiveRecord
-from kareus.passes.ops import DEFAULT_CLOCK_MHZ, SET_CLOCK, Cost, facts_of
+from kareus.passes.ops import DEFAULT_CLOCK_MHZ, OP_TABLE, SET_CLOCK, Cost, OpTable
 from kareus.passes.schema import arguments
 
 aten = torch.ops.aten
@@ -183,9 +183,9 @@ def _nbytes(t: torch.Tensor) -> int:
     return n
 
 
-def _is_free(node: torch.fx.Node) -> bool:
+def _is_free(node: torch.fx.Node, table: OpTable) -> bool:
     """Views, aliases, allocations (the op table) and non-tensor (symbolic) ops launch no kernel."""
-    return not facts_of(node).launches_kernel or not _tensors(_val(node))
+    return not table.facts_of(node).launches_kernel or not _tensors(_val(node))
 
 
 def _val(node: torch.fx.Node) -> object:
@@ -194,10 +194,10 @@ def _val(node: torch.fx.Node) -> object:
     return node.meta["val"]
 
 
-def _reads(node: torch.fx.Node, write: int) -> dict[torch.fx.Node, int]:
+def _reads(node: torch.fx.Node, write: int, table: OpTable) -> dict[torch.fx.Node, int]:
     """Bytes ``node`` reads of each input (a gather reads only the rows it returns, a fill
     reads nothing of the tensor it takes the shape of)."""
-    facts = facts_of(node)
+    facts = table.facts_of(node)
     named = arguments(node)
     partial_input = named.get(facts.partial_read) if facts.partial_read else None
     unread = {named.get(name) for name in facts.shape_only}
@@ -212,11 +212,11 @@ def _reads(node: torch.fx.Node, write: int) -> dict[torch.fx.Node, int]:
     return reads
 
 
-def _kernel(node: torch.fx.Node, tf32: bool) -> Kernel:
-    facts = facts_of(node)
+def _kernel(node: torch.fx.Node, tf32: bool, table: OpTable) -> Kernel:
+    facts = table.facts_of(node)
     out = _tensors(_val(node))
     write = sum(_nbytes(t) for t in out)
-    read = sum(_reads(node, write).values())
+    read = sum(_reads(node, write, table).values())
     named = arguments(node)
     packet = getattr(node.target, "overloadpacket", node.target)
     formula = flop_registry.get(_FLOP_ALIASES.get(packet, packet))
@@ -261,7 +261,8 @@ class _Fusion:
     reductions: one kernel that reads what the run takes from outside it once and writes
     only what leaves it (used later or returned). Views between them are free."""
 
-    def __init__(self) -> None:
+    def __init__(self, table: OpTable) -> None:
+        self.table = table
         self.nodes: list[torch.fx.Node] = []
         self.kernels: list[Kernel] = []
 
@@ -280,31 +281,31 @@ class _Fusion:
         members = set(self.nodes)
         reads: dict[torch.fx.Node, int] = {}
         for node, kernel in zip(self.nodes, self.kernels, strict=True):
-            for inp, b in _reads(node, int(kernel.write_bytes)).items():
-                source = _through_views(inp)
+            for inp, b in _reads(node, int(kernel.write_bytes), self.table).items():
+                source = _through_views(inp, self.table)
                 if source not in members:
                     reads[source] = max(reads.get(source, 0), b)
         write = sum(
             k.write_bytes
             for n, k in zip(self.nodes, self.kernels, strict=True)
-            if _escapes(n, members)
+            if _escapes(n, members, self.table)
         )
         name = f"{self.nodes[0].name}..{self.nodes[-1].name}"
         return Kernel(name, 0.0, float(sum(reads.values())), write)
 
 
-def _through_views(node: torch.fx.Node) -> torch.fx.Node:
+def _through_views(node: torch.fx.Node, table: OpTable) -> torch.fx.Node:
     """The kernel (or graph input) whose data ``node`` aliases through free views."""
-    while node.op == "call_function" and _is_free(node) and node.all_input_nodes:
+    while node.op == "call_function" and _is_free(node, table) and node.all_input_nodes:
         node = node.all_input_nodes[0]
     return node
 
 
-def _escapes(node: torch.fx.Node, members: set[torch.fx.Node]) -> bool:
+def _escapes(node: torch.fx.Node, members: set[torch.fx.Node], table: OpTable) -> bool:
     """Whether ``node``'s result (or a view of it) is used outside ``members``."""
     for user in node.users:
-        if user.op == "call_function" and _is_free(user):
-            if _escapes(user, members):
+        if user.op == "call_function" and _is_free(user, table):
+            if _escapes(user, members, table):
                 return True
         elif user not in members:
             return True
@@ -317,12 +318,14 @@ def graph_cost(
     *,
     tf32: bool | None = None,
     fuse: bool = True,
+    table: OpTable = OP_TABLE,
 ) -> GraphCost:
     """Walk ``gm`` in node order once; ``world_size`` sizes groups that cannot be resolved.
     ``tf32``: whether fp32 matmuls may use TF32 tensor cores (None: what PyTorch allows
     now, ``torch.backends.cuda.matmul.allow_tf32``). ``fuse``: cost consecutive
     memory-bound kernels as one, as the Inductor lowering runs them (False: every aten
-    node is a kernel, as eager lowering runs them)."""
+    node is a kernel, as eager lowering runs them). ``table``: which ops launch kernels,
+    of which cost class, and what they read (the analysis's op facts)."""
     if tf32 is None:
         tf32 = bool(torch.backends.cuda.matmul.allow_tf32)
     kernels: list[Kernel] = []
@@ -331,7 +334,7 @@ def graph_cost(
     records = {c.node: c for c in find_collectives(gm.graph)}
     completed_by = {w: c.node for c in records.values() for w in c.waits}
     issued: dict[torch.fx.Node, int] = {}
-    run = _Fusion()
+    run = _Fusion(table)
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
@@ -350,8 +353,8 @@ def graph_cost(
         elif node.target is SET_CLOCK:
             run.flush(kernels, program)
             program.append((Step.CLOCK, int(arguments(node)["mhz"])))
-        elif not _is_free(node):
-            kernel = _kernel(node, tf32)
+        elif not _is_free(node, table):
+            kernel = _kernel(node, tf32, table)
             if fuse and kernel.kind is KernelClass.MEMORY:
                 run.add(node, kernel)
                 continue
@@ -751,8 +754,9 @@ class SimulatedGPU(Device):
     deterministic = True
     models_resources = True
 
-    def __init__(self, spec: GPUSpec | str) -> None:
+    def __init__(self, spec: GPUSpec | str, table: OpTable = OP_TABLE) -> None:
         self.spec = load_preset(spec) if isinstance(spec, str) else spec
+        self.table = table  # the op facts it costs graphs by (``graph_cost``)
         self.name = self.spec.name
         self._controller = RecordingClockController()
 
@@ -838,15 +842,14 @@ class SimulatedGPU(Device):
                 )
         return {name: sms for name, sms in resources.items() if sms is not None}
 
-    @staticmethod
-    def _cost(workload: Workload) -> GraphCost:
+    def _cost(self, workload: Workload) -> GraphCost:
         if workload.gm is None:
             raise UnmeasurableWorkloadError(
                 workload.name,
                 "graph",
                 "the simulated GPU costs workload.gm (with node.meta['val'])",
             )
-        return graph_cost(workload.gm, workload.world_size)
+        return graph_cost(workload.gm, workload.world_size, table=self.table)
 
     def switch_overhead(
         self, switches: Sequence[ClockSwitch], start_mhz: int | None = None
