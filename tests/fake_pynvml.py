@@ -30,10 +30,7 @@ from fake_pynvml import FakeNvml
 from kareus.devices.nvml.clock import NvmlClockController, no_event
 {before}
 fake = FakeNvml(state_file={state!r})
-fake.nvmlInit()
-gpu = fake.nvmlDeviceGetHandleByIndex(0)
-ctl = NvmlClockController(fake, gpu, gpu="GPU 0", index=0,
-                          supported_clocks=gpu.graphics_clocks[1215], event_factory=no_event)
+{open}
 ctl.set_clock("fwd", 1200)
 ctl.flush()
 print("locked", flush=True)
@@ -41,12 +38,32 @@ sys.stdin.readline()
 {then}
 """
 
+_BUILT_DIRECTLY = """
+fake.nvmlInit()
+gpu = fake.nvmlDeviceGetHandleByIndex(0)
+ctl = NvmlClockController(fake, gpu, gpu="GPU 0", index=0,
+                          supported_clocks=gpu.graphics_clocks[1215], event_factory=no_event)
+"""
 
-def locked_child(state: Path, before: str = "", then: str = "") -> str:
+_OPENED_BY_THE_RUNTIME = """
+sys.modules["pynvml"] = fake
+from kareus.runtime import process_runtime
+ctl = process_runtime().device("nvml").clock_controller()
+"""
+
+
+def locked_child(state: Path, before: str = "", then: str = "", *, runtime: bool = False) -> str:
     """Code for ``python -c``: lock GPU 0 of a fake driver whose state goes to ``state``,
-    print "locked", wait for a line on stdin, then run ``then`` (``before`` runs first)."""
+    print "locked", wait for a line on stdin, then run ``then`` (``before`` runs first).
+    The controller is built directly, or with ``runtime`` is the one of the device the
+    process runtime opens (``device="nvml"``)."""
     return _LOCKED_CHILD.format(
-        tests=str(TESTS), repo=str(REPO), state=str(state), before=before, then=then
+        tests=str(TESTS),
+        repo=str(REPO),
+        state=str(state),
+        before=before,
+        then=then,
+        open=_OPENED_BY_THE_RUNTIME if runtime else _BUILT_DIRECTLY,
     )
 
 

@@ -32,7 +32,8 @@ class ProcessRuntime:
     backends: BackendRegistry = field(default_factory=BackendRegistry)
     clock_locks: HeldClockLocks = field(default_factory=HeldClockLocks)
     """The GPUs whose clocks this process owns: every device opened here records its
-    ownership in it, so a second controller of a GPU in this process is refused."""
+    ownership in it, so a second controller of a GPU in this process is refused, and its
+    exit guard resets their clocks at exit and on SIGTERM, SIGINT, SIGHUP and SIGQUIT."""
     _devices: dict[str, Device] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 

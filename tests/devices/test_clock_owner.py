@@ -26,7 +26,7 @@ from kareus.devices.errors import (
     StaleClockLockError,
 )
 from kareus.devices.nvml import ownership
-from kareus.devices.nvml.clock import NvmlClockController, _exit_guard, no_event
+from kareus.devices.nvml.clock import NvmlClockController, no_event
 from kareus.devices.nvml.gpu import NvmlGPU
 from kareus.passes.ops import DEFAULT_CLOCK_MHZ
 from kareus.runtime import ProcessRuntime, process_runtime
@@ -302,7 +302,7 @@ def test_a_forked_child_cannot_set_clocks_and_the_parent_keeps_ownership(lock_di
     pid = os.fork()
     if pid == 0:  # the child: report, then leave without running any exit handler
         try:
-            seen: dict[str, object] = {"guarded": len(_exit_guard._controllers)}
+            seen: dict[str, object] = {"guarded": len(held.exit_guard.controllers)}
             try:
                 ctl.set_clock("fwd", 1410)
             except ForkedClockControllerError as exc:
@@ -333,7 +333,7 @@ def test_a_forked_child_cannot_set_clocks_and_the_parent_keeps_ownership(lock_di
     ctl.flush()
     ctl.close()
     assert fake.setter_calls() == [(LOCK, 0, 1200, 1200), (LOCK, 0, 1410, 1410), (RESET, 0)]
-    assert ctl not in _exit_guard._controllers
+    assert ctl not in held.exit_guard.controllers
 
 
 def test_dry_run_warns_when_the_clocks_are_not_the_default(

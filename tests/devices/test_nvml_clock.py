@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -20,9 +22,12 @@ from kareus.devices.errors import (
     MigClockControlError,
     UnsupportedClockError,
 )
+from kareus.devices.nvml.clock import NvmlClockController, no_event
+from kareus.devices.nvml.exit_guard import SIGNALS
+from kareus.devices.nvml.gpu import NvmlGPU
 from kareus.devices.nvml.ownership import LOCK_DIR_ENV
 from kareus.passes.ops import DEFAULT_CLOCK_MHZ
-from kareus.runtime import use_controller
+from kareus.runtime import ProcessRuntime, use_controller
 
 
 @pytest.fixture(autouse=True)
@@ -178,10 +183,20 @@ def test_dry_run_records_switches_and_never_calls_a_setter() -> None:
 
 
 
-def run_child(tmp_path: Path, then: str = "", before: str = "", send: int | None = None) -> int:
-    """Run CHILD until its clock is locked, then let it go on (or signal it); check the reset."""
+def run_child(
+    tmp_path: Path,
+    then: str = "",
+    before: str = "",
+    send: int | None = None,
+    *,
+    runtime: bool = False,
+) -> int:
+    """Run CHILD until its clock is locked, then let it go on (or signal it); check the reset.
+
+    The child builds its controller directly, or with ``runtime`` opens the runtime's device.
+    """
     state = tmp_path / "state.json"
-    code = locked_child(state, before, then)
+    code = locked_child(state, before, then, runtime=runtime)
     child = subprocess.Popen(
         [sys.executable, "-c", code],
         stdin=subprocess.PIPE,
@@ -241,6 +256,124 @@ def test_normal_exit_releases_clock_ownership(tmp_path: Path, lock_dir: Path) ->
     assert run_child(tmp_path) == 0
     (lock_file,) = lock_dir.iterdir()
     assert lock_file.read_text() == ""
+
+
+def test_reset_on_sigterm_of_the_device_the_runtime_opened(tmp_path: Path) -> None:
+    assert run_child(tmp_path, send=signal.SIGTERM, runtime=True) == -signal.SIGTERM
+
+
+# -- the exit guard's handlers, in this process ---------------------------------------------
+
+
+class Previous:
+    """A handler that was there before kareus's: records the signals passed on to it."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.seen.append(signum)
+
+
+@pytest.fixture
+def previous() -> Iterator[Previous]:
+    """``Previous`` as the handler of every guarded signal; what was there is put back."""
+    handler = Previous()
+    saved = {signum: signal.signal(signum, handler) for signum in SIGNALS}
+    yield handler
+    for signum, saved_handler in saved.items():
+        signal.signal(signum, saved_handler)
+
+
+@pytest.fixture
+def at_exit(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """The exit callbacks registered meanwhile and not unregistered (``atexit`` cannot say:
+    before Python 3.12 ``atexit._ncallbacks`` counts unregistered ones too)."""
+    live: list[object] = []
+    register, unregister = atexit.register, atexit.unregister
+
+    def tracked_register(
+        func: Callable[..., object], *args: object, **kwargs: object
+    ) -> Callable[..., object]:
+        live.append(func)
+        return register(func, *args, **kwargs)
+
+    def tracked_unregister(func: Callable[..., object]) -> None:
+        live[:] = [f for f in live if f != func]
+        unregister(func)
+
+    monkeypatch.setattr(atexit, "register", tracked_register)
+    monkeypatch.setattr(atexit, "unregister", tracked_unregister)
+    return live
+
+
+def guarded(fake: FakeNvml, gpu: int = 0, **kwargs: object) -> NvmlClockController:
+    """A controller that resets at exit and on signals, as one built outside tests does."""
+    handle = fake.nvmlDeviceGetHandleByIndex(gpu)
+    return NvmlClockController(
+        fake, handle, gpu=f"GPU {gpu}", index=gpu, supported_clocks=handle.graphics_clocks[1215],
+        event_factory=no_event, **kwargs,
+    )
+
+
+def handlers() -> dict[int, object]:
+    return {signum: signal.getsignal(signum) for signum in SIGNALS}
+
+
+def test_sigterm_resets_a_directly_built_controller_then_passes_the_signal_on(
+    previous: Previous,
+) -> None:
+    fake, _handle = opened()
+    with guarded(fake) as ctl:
+        ctl.set_clock("fwd", 1200)
+        ctl.flush()
+        assert fake.gpus[0].locked == (1200, 1200)
+        signal.raise_signal(signal.SIGTERM)
+        assert fake.gpus[0].locked is None and previous.seen == [signal.SIGTERM]
+        assert fake.setter_calls() == [(LOCK, 0, 1200, 1200), (RESET, 0)]
+    assert handlers() == dict.fromkeys(SIGNALS, previous)  # put back once closed
+
+
+def test_directly_built_controllers_leave_no_handler_behind(
+    previous: Previous, at_exit: list[object]
+) -> None:
+    fake, _handle = opened()
+    for _ in range(3):
+        with guarded(fake):
+            assert handlers() != dict.fromkeys(SIGNALS, previous) and len(at_exit) == 1
+    assert handlers() == dict.fromkeys(SIGNALS, previous) and at_exit == []
+    # Closed out of order: the first guard's handler is under the second's, so it stays
+    # (passing signals on) until the second leaves and skips over it.
+    first, second = guarded(fake), guarded(fake, dry_run=True)
+    first.close()
+    signal.raise_signal(signal.SIGINT)
+    assert previous.seen == [signal.SIGINT]
+    second.close()
+    assert handlers() == dict.fromkeys(SIGNALS, previous) and at_exit == []
+
+
+def test_the_runtime_installs_its_handlers_once_for_every_device(
+    previous: Previous, at_exit: list[object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = FakeNvml([FakeGpu(), FakeGpu(uuid="GPU-second")])
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    runtime = ProcessRuntime()
+    with runtime.device("nvml") as gpu:
+        assert isinstance(gpu, NvmlGPU)
+        installed = handlers()
+        assert at_exit == [runtime.clock_locks.exit_guard.at_exit]
+        guard = runtime.clock_locks.exit_guard
+        assert guard.controllers == (gpu.clock_controller(),)
+        with guarded(fake, gpu=1, held=runtime.clock_locks) as other:
+            assert handlers() == installed and len(at_exit) == 1
+            for ctl in (gpu.clock_controller(), other):
+                ctl.set_clock("fwd", 1200)
+                ctl.flush()
+            signal.raise_signal(signal.SIGTERM)
+            assert [g.locked for g in fake.gpus] == [None, None]
+            assert previous.seen == [signal.SIGTERM]  # passed on once, not per device
+        assert handlers() == installed
+    assert handlers() == dict.fromkeys(SIGNALS, previous) and at_exit == []
 
 
 def test_the_first_request_is_sent_even_if_it_looks_unchanged() -> None:

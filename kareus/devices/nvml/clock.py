@@ -7,8 +7,9 @@ the current stream and hands (event, clock) to a controller thread, which waits 
 event and only then calls NVML: the switch lands where the graph starts in the stream.
 
 A lock outlives the process (REFERENCE.md s4), so every controller is reset at interpreter
-exit, on SIGTERM, SIGINT, SIGHUP and SIGQUIT (then the signal does what it did before) and
-when used as a context manager. A reset that fails is logged at CRITICAL level and raised.
+exit, on SIGTERM, SIGINT, SIGHUP and SIGQUIT (then the signal does what it did before; the
+exit guard of its ``HeldClockLocks``, ``devices.nvml.exit_guard``) and when used as a
+context manager. A reset that fails is logged at CRITICAL level and raised.
 SIGKILL, ``os._exit`` and crashes in native code run no handler: for them, a controller that
 may lock clocks owns the GPU's clocks from construction to ``close`` (or exit) through a
 per-GPU lock file (``devices.nvml.ownership``). At construction it refuses a GPU another
@@ -25,15 +26,13 @@ setting clocks through it raises ``ForkedClockControllerError``; reset and close
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import queue
-import signal
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from types import FrameType, ModuleType
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kareus.devices.base import ClockSwitch
@@ -51,6 +50,7 @@ from kareus.devices.errors import (
 )
 from kareus.devices.nvml import ownership
 from kareus.devices.nvml.driver import nvml_text
+from kareus.devices.nvml.exit_guard import ExitGuard
 from kareus.passes.ops import DEFAULT_CLOCK_MHZ
 
 if TYPE_CHECKING:
@@ -108,7 +108,9 @@ class NvmlClockController:
     ``StaleClockLockError`` saying to run ``sudo nvidia-smi -i <index> -rgc``). ``held`` is
     where the process keeps its ownerships (the runtime's ``clock_locks``); without one the
     controller keeps its ownership alone, and a second controller of the GPU in this
-    process is refused by the lock file's flock instead.
+    process is refused by the lock file's flock instead. With ``reset_at_exit`` the
+    controller is reset at exit and on fatal signals by ``held``'s exit guard (by a guard
+    of its own without ``held``) until ``close``.
     ``dry_run`` runs the same path (validation, events, thread) but only records switches;
     it takes no ownership.
     """
@@ -155,12 +157,14 @@ class NvmlClockController:
         self.lock_path = ownership.lock_path(ownership.lock_dir(lock_dir), self._uuid(), index)
         """This GPU's lock file (owned unless ``dry_run``)."""
         self._owner: ownership.Ownership | None = None
+        held = held if held is not None else ownership.HeldClockLocks()
         if dry_run:
             self._warn_if_taken()
         else:
-            self._take_ownership(held if held is not None else ownership.HeldClockLocks())
-        if reset_at_exit:
-            _exit_guard.register(self)
+            self._take_ownership(held)
+        self._exit_guard: ExitGuard | None = held.exit_guard if reset_at_exit else None
+        if self._exit_guard is not None:
+            self._exit_guard.register(self)
 
     @property
     def applied_mhz(self) -> int | None:
@@ -229,7 +233,8 @@ class NvmlClockController:
         try:
             self.reset()
         finally:
-            _exit_guard.unregister(self)
+            if self._exit_guard is not None:
+                self._exit_guard.unregister(self)
             if self._thread is not None:
                 self._queue.put(_STOP)
                 self._thread.join()
@@ -401,84 +406,3 @@ class NvmlClockController:
             error, self._error = self._error, None
         if error is not None:
             raise error
-
-
-class _ExitGuard:
-    """Resets every live controller at exit and on SIGTERM, SIGINT, SIGHUP and SIGQUIT,
-    before the usual outcome; at exit it also gives up their clock ownership.
-
-    Handlers are installed once, on the first registration (signal handlers only from the
-    main thread, where Python allows them). After resetting, a signal goes to the handler
-    that was there before; a default disposition is restored and the signal re-raised, so
-    the process still dies of it (exit status -SIGTERM). Ownership survives a signal (a
-    handler may let the process go on, as KeyboardInterrupt does); the record then says
-    the clocks are reset. SIGKILL and ``os._exit`` cannot be caught: the next owner of the
-    GPU finds the stale record and resets the clocks. A forked child inherits no controller.
-    """
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
-
-    def __init__(self) -> None:
-        self._lock = threading.RLock()
-        self._controllers: list[NvmlClockController] = []
-        self._previous: dict[int, Any] = {}
-        self._installed = False
-
-    def register(self, controller: NvmlClockController) -> None:
-        with self._lock:
-            self._controllers.append(controller)
-            if not self._installed:
-                self._install()
-
-    def unregister(self, controller: NvmlClockController) -> None:
-        with self._lock:
-            if controller in self._controllers:
-                self._controllers.remove(controller)
-
-    def reset_all(self) -> None:
-        """Reset every registered controller; a failure is logged, then the next is reset."""
-        with self._lock:
-            controllers = list(self._controllers)
-        for controller in controllers:
-            try:
-                controller.reset()
-            except ClockResetError:
-                pass  # already logged CRITICAL; keep resetting the others
-
-    def at_exit(self) -> None:
-        """Reset every registered controller and give up ownership where the reset held."""
-        self.reset_all()
-        with self._lock:
-            controllers = list(self._controllers)
-        for controller in controllers:
-            controller._release_ownership()
-
-    def after_fork_in_child(self) -> None:
-        """The parent's controllers are the parent's to reset: a forked child forgets them."""
-        self._lock = threading.RLock()  # another thread may have held it at the fork
-        self._controllers = []
-
-    def _install(self) -> None:
-        self._installed = True
-        atexit.register(self.at_exit)
-        if threading.current_thread() is not threading.main_thread():
-            logger.warning(
-                "kareus clock controller created off the main thread: no signal handlers "
-                "installed, clocks are reset only at normal exit"
-            )
-            return
-        for signum in self.SIGNALS:
-            self._previous[signum] = signal.signal(signum, self._on_signal)
-
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        self.reset_all()
-        previous = self._previous[signum]
-        if callable(previous):
-            previous(signum, frame)
-        elif previous != signal.SIG_IGN:
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-
-
-_exit_guard = _ExitGuard()
-os.register_at_fork(after_in_child=_exit_guard.after_fork_in_child)

@@ -42,8 +42,10 @@ Closing matters beyond the child: a flock lasts while any descriptor of its open
 so a long-lived child (a data loader worker) would otherwise keep the GPU owned after the
 parent released it.
 
-Which ownerships a process holds is state of the process, kept by ``HeldClockLocks``: the
-runtime has one (``ProcessRuntime.clock_locks``) and hands it to every device it opens.
+Which ownerships a process holds is state of the process, kept by ``HeldClockLocks``
+with the guard that resets its controllers' clocks at exit and on fatal signals
+(``devices.nvml.exit_guard``): the runtime has one (``ProcessRuntime.clock_locks``) and
+hands it to every device it opens.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from kareus.devices.errors import ClockLockDirError, ClockOwnedError
+from kareus.devices.nvml.exit_guard import ExitGuard
 
 logger = logging.getLogger("kareus")
 
@@ -230,17 +233,22 @@ def lock_path(directory: Path, uuid: str | None, index: int) -> Path:
 
 
 class HeldClockLocks:
-    """The GPU clock ownerships one process holds, by lock file path.
+    """The GPU clock ownerships one process holds, by lock file path, and the guard that
+    resets the clocks of its controllers when the process ends.
 
     A second controller of a GPU in the process that owns it is refused by name here,
     without touching the file (which a /tmp cleaner may have removed meanwhile). The
     runtime keeps the process's one (``ProcessRuntime.clock_locks``); devices are handed
-    it, never look it up. In a forked child every instance forgets what it held.
+    it, never look it up. In a forked child every instance forgets what it held and
+    which controllers it guarded.
     """
 
     def __init__(self) -> None:
         self._held: dict[Path, Ownership] = {}
         self._lock = threading.RLock()
+        self.exit_guard = ExitGuard()
+        """Resets the clocks of the controllers registered in it at exit and on SIGTERM,
+        SIGINT, SIGHUP and SIGQUIT (``NvmlClockController(reset_at_exit=True)`` registers)."""
         # A weak reference: the fork hook lives as long as the process, this object need not.
         os.register_at_fork(after_in_child=_after_fork_hook(weakref.ref(self)))
 
@@ -274,11 +282,13 @@ class HeldClockLocks:
             self._held.pop(path, None)
 
     def _after_fork_in_child(self) -> None:
-        """A forked child owns nothing: drop every inherited ownership, keeping the flocks."""
+        """A forked child owns nothing: drop every inherited ownership, keeping the flocks,
+        and every guarded controller, whose clocks are the parent's to reset."""
         self._lock = threading.RLock()  # another thread may have held it at the fork
         for ownership in list(self._held.values()):
             ownership._forget_after_fork()
         self._held.clear()
+        self.exit_guard.after_fork_in_child()
 
 
 def _after_fork_hook(held: weakref.ref[HeldClockLocks]) -> Callable[[], None]:
