@@ -16,7 +16,6 @@ from typing import Any
 import torch
 import torch.fx
 
-from kareus.codegen.nanobatch import NanobatchRewrite
 from kareus.errors import KareusError
 from kareus.passes.backends import exclusive_kinds
 from kareus.passes.collectives import Collective, find_collectives
@@ -58,9 +57,9 @@ class GraphAnalysis:
     interfaces: ForwardInterfaces  # forward graphs: what their backward needs, per k > 1
     exclusive: Mapping[str, frozenset[str]]  # group -> collective kinds never two in flight
     table: OpTable = field(compare=False, repr=False)  # the op facts it was analysed with
-    rewrites: dict[int, NanobatchRewrite] = field(
-        default_factory=dict, compare=False, repr=False
-    )  # the k-way emitted graphs ``apply`` materialises variants from (a cache)
+    rewrites: dict[int, Any] = field(default_factory=dict, compare=False, repr=False)
+    """A cache for codegen: per count, the k-way emitted graph (``NanobatchRewrite``) that
+    ``apply`` materialises every variant of that count from."""
 
     def placements_at(self, k: int) -> PlacementResult:
         """What ``k`` nanobatches split (k = 1 reports what k = 2 would)."""

@@ -20,6 +20,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from kareus.codegen.nanobatch import isolated_partition
 from kareus.devices.base import Workload
+from kareus.errors import KareusError
 from kareus.passes.ops import OP_TABLE, OpTable
 from kareus.passes.partition import Partition
 from kareus.passes.placement import NodePlacement, PlacementResult, Split
@@ -78,11 +79,16 @@ def partition_workload(
     )
 
 
+class NonTensorInputError(KareusError, TypeError):
+    """A partition's compute takes a value that is not a tensor: no random input stands
+    for it, so the partition cannot run alone (the graph compiles without its profile)."""
+
+
 def _tensor_value(partition: Partition, node: torch.fx.Node) -> torch.Tensor:
     """The value ``node`` gives the partition's compute: random inputs need a tensor."""
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor):
-        raise TypeError(
+        raise NonTensorInputError(
             f"partition {partition.index}: its compute takes {node.name}, which is not a "
             f"tensor ({type(val).__name__})"
         )
