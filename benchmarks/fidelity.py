@@ -1,6 +1,6 @@
 """Fidelity report of the simulated GPUs: every published data point, and clock sweeps.
 
-(a) Every point of ``kareus/profiler/devices/calibration.py``: the published value (or
+(a) Every point of ``benchmarks/calibration.py``: the published value (or
 range), the model's prediction (``probes.predict``), the error (relative to the nearer end
 of the published range, absolute for ratios), the tolerance of its quantity's class and the
 verdict: PASS, FAIL, or "explained" (a known miss, with its reason). Inputs are constants

@@ -4,7 +4,7 @@ A search materialises hundreds of variants of one graph. This captures one layer
 and backward graphs as AOT autograd hands them to Inductor (TP8 on a fake process group,
 over fake tensors: only the graph structure matters), analyses each once, draws random
 variants (a launch slot per partition) at k = 2 and 4 nanobatches with
-``VariantSpace.sample``, and applies each as the pipeline does (``passes.apply``: the
+``VariantSpace.sample``, and applies each as the pipeline does (``codegen.apply``: the
 rewrite and the clock switch):
 
 - before: without the k-way cache (``analysis.rewrites`` emptied before every variant:

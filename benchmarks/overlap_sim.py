@@ -4,7 +4,7 @@ Traces one layer (dim 3072, 24 heads as an MHA stand-in for 24/8 GQA, FFN 8192, 
 microbatch 8 x 4096 tokens) under TP8 over fake tensors, compiles it with the kareus
 backend at 1, 2 and 4 nanobatches (earliest launch slots), and reports the simulated GPU's
 time and energy of the forward and backward graphs at the default clock. No GPU and no
-real tensor is needed; the numbers are the model's (see profiler/devices/simulated.py).
+real tensor is needed; the numbers are the model's (see kareus/devices/sim/model.py).
 
     python benchmarks/overlap_sim.py --device sim:a100-sxm4-40gb \\
         --out benchmarks/results/overlap_sim.json

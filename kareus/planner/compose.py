@@ -30,20 +30,20 @@ class FrontierPoint:
     choice: Any = ()
 
 
-def front(options: Iterable[FrontierPoint]) -> list[FrontierPoint]:
-    """The options no other is at least as fast and as frugal as, fastest first (of equal
+def front(points: Iterable[FrontierPoint]) -> list[FrontierPoint]:
+    """The points no other is at least as fast and as frugal as, fastest first (of equal
     ones, the first given)."""
     kept: list[FrontierPoint] = []
-    for o in sorted(options, key=lambda o: (o.time_s, o.effective_energy_j)):
+    for o in sorted(points, key=lambda o: (o.time_s, o.effective_energy_j)):
         if not kept or o.effective_energy_j < kept[-1].effective_energy_j:
             kept.append(o)
     return kept
 
 
 def combine(parts: Sequence[Sequence[FrontierPoint]]) -> list[FrontierPoint]:
-    """The frontier of running every part once, each with one of its options; a
+    """The frontier of running every part once, each with one of its points; a
     combination's ``choice`` is the tuple of its parts' choices, in order. A part without
-    options makes the whole infeasible (no option)."""
+    points makes the whole infeasible (no point)."""
     combined = [FrontierPoint(0.0, 0.0, ())]
     for part in parts:
         part_front = front(part)
@@ -60,17 +60,17 @@ def variants_frontier(
     variants: Mapping[tuple[int, int], tuple[FrontierPoint, Sequence[Sequence[FrontierPoint]]]],
 ) -> list[FrontierPoint]:
     """The frontier of a graph over its (nanobatch count, clock) variants. Each maps to the
-    compute outside its partitions at that clock and, per partition occurrence, the options
+    compute outside its partitions at that clock and, per partition occurrence, the points
     measured at that clock; occurrences of one key are separate parts, so repeated layers
     may take different points. A variant with an unmeasured partition is left out."""
-    options = []
+    points = []
     for (k, clock), (outside, partitions) in variants.items():
         for o in combine(partitions):
-            options.append(FrontierPoint(
+            points.append(FrontierPoint(
                 outside.time_s + o.time_s, outside.effective_energy_j + o.effective_energy_j,
                 Choice(k, clock, o.choice),
             ))
-    return front(options)
+    return front(points)
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ def step_frontier(
 ) -> list[StepPoint]:
     """The frontier of a step that runs ``graphs`` in order ``repeats`` times (the forward
     and backward of each of ``repeats`` accumulated micro-batches), every repetition the
-    same plan: each graph's frontier options, the switches between consecutive graphs
+    same plan: each graph's frontier points, the switches between consecutive graphs
     (wrapping around to the next step's first), static power over the whole step.
 
     ``switch`` must depend on its choices only through ``switch_key`` (a graph's clock):
@@ -114,10 +114,10 @@ def step_frontier(
         partial.setdefault((key, key), []).append(
             FrontierPoint(o.time_s, o.effective_energy_j, (o.choice,))
         )
-    for options in fronts[1:]:
+    for graph_points in fronts[1:]:
         merged: dict[tuple[Hashable, Hashable], list[FrontierPoint]] = {}
         for (first, _), plans in partial.items():
-            for o in options:
+            for o in graph_points:
                 for p in plans:
                     seconds, joules = switch(p.choice[-1], o.choice)
                     merged.setdefault((first, switch_key(o.choice)), []).append(FrontierPoint(

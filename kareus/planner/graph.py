@@ -96,14 +96,14 @@ def graph_frontier(
         if whole is None:
             continue
         known[(k, tuple(zip(default.slots, default.resources, strict=True)))] = whole
-        per_clock = [_partition_options(p, profiles, k, clocks)
+        per_clock = [_partition_points(p, profiles, k, clocks)
                      for p in analysis.space.partitions(k)]
         for f, m in whole.items():
-            parts = [options.get(f) for options in per_clock]
-            if any(options is None for options in parts):
+            parts = [points.get(f) for points in per_clock]
+            if any(points is None for points in parts):
                 continue  # a partition with no measurement or prediction at f
-            share = [next(o for o in options if o.choice == (0, _default_sms(p)))
-                     for options, p in zip(parts, analysis.space.partitions(k))]
+            share = [next(o for o in points if o.choice == (0, _default_sms(p)))
+                     for points, p in zip(parts, analysis.space.partitions(k))]
             outside = FrontierPoint(
                 m.time_s - sum(o.time_s for o in share),
                 m.effective_energy_j - sum(o.effective_energy_j for o in share),
@@ -130,7 +130,7 @@ def _default_spelled(point: FrontierPoint, default_mhz: int) -> FrontierPoint:
 
 
 def _costed(
-    options: Sequence[FrontierPoint], cost: GraphCost, known: dict[tuple, dict[int, Measurement]]
+    points: Sequence[FrontierPoint], cost: GraphCost, known: dict[tuple, dict[int, Measurement]]
 ) -> list[FrontierPoint]:
     """The composed frontier, each point replaced by what the device says its whole graph
     costs (one call per distinct variant, at its clocks). Composition finds the candidates;
@@ -139,13 +139,13 @@ def _costed(
     20% of effective energy on a TP2 Llama layer. ``known``: variants costed at every
     clock already, by (k, partition choices)."""
     clocks: dict[tuple, list[int]] = {}
-    for o in options:
+    for o in points:
         clocks.setdefault((o.choice.nanobatches, o.choice.partitions), []).append(
             o.choice.clock_mhz)
     costs = {key: known.get(key) or cost(Choice(key[0], 0, key[1]).variant, at)
              for key, at in clocks.items()}
     costed = []
-    for o in options:
+    for o in points:
         c = o.choice
         m = costs[(c.nanobatches, c.partitions)]
         costed.append(o if m is None else
@@ -157,10 +157,10 @@ def _default_sms(p: PartitionChoices) -> int | None:
     return None if None in p.resources else p.resources[0]
 
 
-def _partition_options(
+def _partition_points(
     p: PartitionChoices, profiles: Sequence[PartitionProfile], k: int, clocks: Sequence[int]
 ) -> dict[int, list[FrontierPoint]]:
-    """Clock -> the options of partition ``p`` run ``k`` times, per GPU; one fixed option
+    """Clock -> the points of partition ``p`` run ``k`` times, per GPU; one fixed point
     at every clock where nothing was chosen for it (its collective is not split, or its
     profile failed: it stays at its earliest slot, costed as part of the rest)."""
     profile = next((q for q in profiles if q.key == p.key and q.nanobatches == k
@@ -174,12 +174,12 @@ def _partition_options(
         sms = dict(q.knobs.resources)
         config = Config(q.knobs.slot, next(iter(sms.values()), None), q.knobs.clock_mhz)
         measured.append(Point(config, q.time_s, q.effective_energy_j, q.effective_energy_j))
-    options: dict[int, list[FrontierPoint]] = {}
+    points: dict[int, list[FrontierPoint]] = {}
     for point in complete(measured, clocks):
         c = point.config
-        options.setdefault(c.clock_mhz, []).append(FrontierPoint(
+        points.setdefault(c.clock_mhz, []).append(FrontierPoint(
             k * point.time_s, k * point.effective_energy_j / profile.group_size,
             (c.slot, c.sms),
         ))
     default = (0, _default_sms(p))
-    return {f: opts for f, opts in options.items() if any(o.choice == default for o in opts)}
+    return {f: opts for f, opts in points.items() if any(o.choice == default for o in opts)}

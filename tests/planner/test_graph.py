@@ -9,7 +9,7 @@ from kareus.devices import SimulatedGPU
 from kareus.passes.decide import Choice
 from kareus.passes.ops import DEFAULT_CLOCK_MHZ
 from kareus.planner.compose import front
-from kareus.planner.graph import _partition_options, graph_frontier
+from kareus.planner.graph import _partition_points, graph_frontier
 from kareus.profiler.profile import Settings, profile_graph
 from kareus.profiler.store import ProfileStore
 
@@ -65,7 +65,7 @@ def test_a_partition_runs_k_times_and_its_group_shares_the_energy(planned):
     parts = analysis.space.partitions(2)
     index = next(i for i, p in enumerate(parts) if p.launch_slots > 1)
     profile = next(p for p in profiles if p.key == parts[index].key)
-    options = _partition_options(parts[index], profiles, 2, gpu.search_clocks())
+    options = _partition_points(parts[index], profiles, 2, gpu.search_clocks())
     for point in profile.points:
         sms = next(iter(dict(point.knobs.resources).values()), None)
         (o,) = [o for o in options.get(point.knobs.clock_mhz, ())
