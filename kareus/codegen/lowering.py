@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -22,12 +23,12 @@ class UnknownLoweringError(KareusError, ValueError):
 # decides where communication is issued and where clocks switch, so they are turned off
 # (REFERENCE.md section 5: 2.14 enables simple_overlap by default; keys a torch release
 # does not have are skipped).
-_REORDERING_PASSES = {
+_REORDERING_PASSES = MappingProxyType({
     "reorder_for_compute_comm_overlap": False,
     "reorder_for_peak_memory": False,
     "aten_distributed_optimizations.enable_overlap_scheduling": False,
     "aten_distributed_optimizations.enable_simple_overlap": False,
-}
+})
 
 
 def pinned_schedule_config() -> dict[str, Any]:

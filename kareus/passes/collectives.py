@@ -9,7 +9,9 @@ which nodes issue and complete it.
 from __future__ import annotations
 
 import operator
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 import torch.fx
@@ -21,7 +23,7 @@ from kareus.passes.schema import arguments
 _c10d = torch.ops._c10d_functional
 
 # op -> (kind, whether it takes a list of tensors)
-COLLECTIVE_OPS: dict[torch._ops.OpOverload, tuple[str, bool]] = {
+COLLECTIVE_OPS: Mapping[torch._ops.OpOverload, tuple[str, bool]] = MappingProxyType({
     _c10d.all_reduce.default: ("all_reduce", False),
     _c10d.all_gather_into_tensor.default: ("all_gather", False),
     _c10d.reduce_scatter_tensor.default: ("reduce_scatter", False),
@@ -29,7 +31,7 @@ COLLECTIVE_OPS: dict[torch._ops.OpOverload, tuple[str, bool]] = {
     _c10d.all_reduce_coalesced.default: ("all_reduce", True),
     _c10d.all_gather_into_tensor_coalesced.default: ("all_gather", True),
     _c10d.reduce_scatter_tensor_coalesced.default: ("reduce_scatter", True),
-}
+})
 WAIT_OP = _c10d.wait_tensor.default
 
 

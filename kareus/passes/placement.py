@@ -258,7 +258,7 @@ def sliced_dim(arg: torch.fx.Node, split: Split, out_ndim: int) -> int | None:
     return aligned if split.blocks == 1 else None
 
 
-_LINEAR = {
+_LINEAR = frozenset({
     aten.add.Tensor,
     aten.sub.Tensor,
     aten.neg.default,
@@ -268,7 +268,7 @@ _LINEAR = {
     aten.div.Scalar,
     aten.clone.default,
     aten.alias.default,
-}
+})
 
 
 def _linear_partial(

@@ -72,6 +72,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from types import MappingProxyType
 
 import torch
 import torch.fx
@@ -103,12 +104,12 @@ from kareus.passes.schema import arguments
 aten = torch.ops.aten
 
 # CPU kernels of attention count like their CUDA counterparts.
-_FLOP_ALIASES = {
+_FLOP_ALIASES = MappingProxyType({
     aten._scaled_dot_product_flash_attention_for_cpu: aten._scaled_dot_product_flash_attention,
     aten._scaled_dot_product_flash_attention_for_cpu_backward: (
         aten._scaled_dot_product_flash_attention_backward
     ),
-}
+})
 
 # Assumption: a GEMM with fewer output tiles than free SMs is split along K (cuBLAS's
 # split-K) into chunks of at least 256 (a few k-tiles of 64), bounds 128-1024.
