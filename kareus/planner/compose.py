@@ -40,6 +40,26 @@ def front(points: Iterable[FrontierPoint]) -> list[FrontierPoint]:
     return kept
 
 
+def fronts_by(
+    points: Iterable[FrontierPoint], key: Callable[[Any], Hashable]
+) -> list[FrontierPoint]:
+    """The frontier of each group of ``points`` with the same ``key`` of their choice,
+    together, fastest first. A graph's points are pruned per clock, never across clocks:
+    a point dominated by one at another clock may still be in the best step, where its
+    clock saves a switch that the other would cost (the step prunes across clocks, once
+    switches are counted)."""
+    groups: dict[Hashable, list[FrontierPoint]] = {}
+    for o in points:
+        groups.setdefault(key(o.choice), []).append(o)
+    kept = [o for group in groups.values() for o in front(group)]
+    return sorted(kept, key=lambda o: (o.time_s, o.effective_energy_j))
+
+
+def clock_of(choice: Choice) -> int:
+    """What a clock switch depends on: a graph's clock."""
+    return choice.clock_mhz
+
+
 def combine(parts: Sequence[Sequence[FrontierPoint]]) -> list[FrontierPoint]:
     """The frontier of running every part once, each with one of its points; a
     combination's ``choice`` is the tuple of its parts' choices, in order. A part without
@@ -59,10 +79,11 @@ def combine(parts: Sequence[Sequence[FrontierPoint]]) -> list[FrontierPoint]:
 def variants_frontier(
     variants: Mapping[tuple[int, int], tuple[FrontierPoint, Sequence[Sequence[FrontierPoint]]]],
 ) -> list[FrontierPoint]:
-    """The frontier of a graph over its (nanobatch count, clock) variants. Each maps to the
-    compute outside its partitions at that clock and, per partition occurrence, the points
-    measured at that clock; occurrences of one key are separate parts, so repeated layers
-    may take different points. A variant with an unmeasured partition is left out."""
+    """The frontier of a graph over its (nanobatch count, clock) variants, at each clock
+    (``fronts_by``). Each maps to the compute outside its partitions at that clock and, per
+    partition occurrence, the points measured at that clock; occurrences of one key are
+    separate parts, so repeated layers may take different points. A variant with an
+    unmeasured partition is left out."""
     points = []
     for (k, clock), (outside, partitions) in variants.items():
         for o in combine(partitions):
@@ -70,7 +91,7 @@ def variants_frontier(
                 outside.time_s + o.time_s, outside.effective_energy_j + o.effective_energy_j,
                 Choice(k, clock, o.choice),
             ))
-    return front(points)
+    return fronts_by(points, clock_of)
 
 
 @dataclass(frozen=True)
@@ -104,8 +125,9 @@ def step_frontier(
     ``switch`` must depend on its choices only through ``switch_key`` (a graph's clock):
     partial plans are then merged graph by graph and pruned among those with the same
     first and last key, which is exact (what follows costs the same for all of them) and
-    keeps the work linear in the number of graphs."""
-    fronts = [front(g) for g in graphs]
+    keeps the work linear in the number of graphs. For the same reason a graph's points
+    are pruned only among those of one key (``fronts_by``)."""
+    fronts = [fronts_by(g, switch_key) for g in graphs]
     if not fronts or not all(fronts):
         return []
     partial: dict[tuple[Hashable, Hashable], list[FrontierPoint]] = {}

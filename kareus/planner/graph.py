@@ -31,7 +31,7 @@ from kareus.passes.analyse import GraphAnalysis
 from kareus.passes.decide import Choice
 from kareus.passes.ops import DEFAULT_CLOCK_MHZ
 from kareus.passes.variants import PartitionChoices, Variant
-from kareus.planner.compose import FrontierPoint, front, variants_frontier
+from kareus.planner.compose import FrontierPoint, clock_of, fronts_by, variants_frontier
 from kareus.profiler.profile import PartitionProfile
 from kareus.profiler.search import Config, Point, complete
 
@@ -63,7 +63,7 @@ class GraphFrontier:
 
     label: str
     graph_hash: str
-    points: tuple[FrontierPoint, ...]  # choice: Choice; fastest first
+    points: tuple[FrontierPoint, ...]  # choice: Choice; the front at each clock, fastest first
     frequency_only: tuple[FrontierPoint, ...]
     baseline: FrontierPoint
 
@@ -76,8 +76,9 @@ def graph_frontier(
     cost: GraphCost,
 ) -> GraphFrontier | None:
     """The frontier of ``analysis``'s graph at ``counts`` and ``clocks`` (the first is the
-    default); None where ``cost`` cannot cost it. The unrewritten graph gives the
-    frequency-only points and the baseline whatever the counts."""
+    default), per clock; None where ``cost`` cannot cost it. The unrewritten graph at every
+    clock is a point whatever the counts, so the baseline (unrewritten at the default
+    clock) is always one a plan can take: a plan is never worse than doing nothing."""
     unrewritten = cost(None, clocks)
     if unrewritten is None:
         return None
@@ -85,7 +86,7 @@ def graph_frontier(
               for f, m in unrewritten.items()]
     variants: dict[tuple[int, int], tuple[FrontierPoint, list[list[FrontierPoint]]]] = {
         (1, f): (FrontierPoint(m.time_s, m.effective_energy_j), [])
-        for f, m in unrewritten.items() if 1 in counts
+        for f, m in unrewritten.items()
     }
     known = {(1, ()): unrewritten}
     for k in counts:
@@ -114,7 +115,7 @@ def graph_frontier(
     return GraphFrontier(
         analysis.label, analysis.key,
         tuple(map(spelled, _costed(variants_frontier(variants), cost, known))),
-        tuple(map(spelled, front(single))),
+        tuple(map(spelled, fronts_by(single, clock_of))),
         FrontierPoint(baseline.time_s, baseline.effective_energy_j, Choice(1)),
     )
 
@@ -150,7 +151,7 @@ def _costed(
         m = costs[(c.nanobatches, c.partitions)]
         costed.append(o if m is None else
                       FrontierPoint(m[c.clock_mhz].time_s, m[c.clock_mhz].effective_energy_j, c))
-    return front(costed)
+    return fronts_by(costed, clock_of)
 
 
 def _default_sms(p: PartitionChoices) -> int | None:

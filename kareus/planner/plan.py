@@ -22,7 +22,7 @@ from kareus.devices.base import Device
 from kareus.errors import KareusError
 from kareus.passes.decide import Choice
 from kareus.planner.budget import Budget, choose
-from kareus.planner.compose import StepPoint, step_frontier
+from kareus.planner.compose import StepPoint, clock_of, step_frontier
 from kareus.planner.graph import GraphFrontier
 
 PLAN_SCHEMA = 2  # 2: a graph's choice is one record, the default clock spelled 0
@@ -170,7 +170,7 @@ def make_plan(
 
     def frontier(per_graph: Sequence[Sequence]) -> list[StepPoint]:
         return step_frontier(per_graph, repeats=microbatches, static_power_w=static_w,
-                             switch=switch, switch_key=lambda c: c.clock_mhz)
+                             switch=switch, switch_key=clock_of)
 
     step = frontier([g.points for g in graphs])
     base_time = microbatches * sum(g.baseline.time_s for g in graphs)
