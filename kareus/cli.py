@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
                       help="the frontier plot (the plan goes beside it as .json)")
     show = sub.add_parser("show", help="a plan or a profile store: a table and a frontier plot")
     show.add_argument("target", help="a plan JSON file, a profile store file or its directory")
-    show.add_argument("--out", default=None, help="the PNG (default: beside the target)")
+    show.add_argument("--out", default=None,
+                      help="the PNG, or a directory to write it in (default: beside the target)")
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=(logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)],
