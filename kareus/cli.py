@@ -7,7 +7,9 @@ import logging
 import sys
 import time
 
+from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
                       help="the frontier plot (the plan goes beside it as .json)")
     show = sub.add_parser("show", help="a plan or a profile store: a table and a frontier plot")
     show.add_argument("target", help="a plan JSON file, a profile store file or its directory")
-    show.add_argument("--out", default=None, help="the PNG (default: beside the target)")
+    show.add_argument("--out", default=None,
+                      help="the PNG, or a directory to write it in (default: beside the target)")
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=(logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)],
@@ -86,6 +89,15 @@ def _budget(args: argparse.Namespace) -> dict[str, object]:
     return {"time_budget": _amount(args.time_budget) if args.time_budget else 1.1}
 
 
+def _refused(console: Console, command: str, exc: Exception) -> int:
+    """Print why ``command`` cannot run as one line (never wrapped, brackets in paths and
+    ranges not read as markup) and return the usage-error status."""
+    message = " ".join(str(exc).split())
+    console.print(Text.assemble((f"kareus {command}:", "red"), f" {message}"), soft_wrap=True,
+                  highlight=False)
+    return 2
+
+
 def _show(args: argparse.Namespace) -> int:
     from kareus.errors import KareusError
     from kareus.profiler.progress import make_console
@@ -95,17 +107,16 @@ def _show(args: argparse.Namespace) -> int:
     try:
         show(args.target, args.out, console)
     except KareusError as exc:
-        console.print(f"[red]kareus show:[/] {exc}", markup=True, highlight=False)
-        return 2
+        return _refused(console, "show", exc)
     return 0
 
 
 def _demo(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from kareus.demo import DemoConfig, run
+    from kareus.demo import DemoConfig, check, run
+    from kareus.errors import KareusError
     from kareus.models.llama import LlamaConfig
-    from kareus.options import KareusOptionError, KareusOptions
     from kareus.profiler.progress import make_console
     from kareus.reports import print_report
     from kareus.show import show
@@ -114,21 +125,20 @@ def _demo(args: argparse.Namespace) -> int:
     nanobatches = args.nanobatches if args.nanobatches == "auto" else int(args.nanobatches)
     options = {"lowering": args.lowering, "device": args.device, "nanobatches": nanobatches,
                **_budget(args)}
-    try:
-        KareusOptions.from_dict(options)  # a bad budget fails here, not in every rank
-    except KareusOptionError as exc:
-        console.print(f"[red]kareus demo:[/] {exc}", highlight=False)
-        return 2
-    cfg = DemoConfig(
-        world_size=args.world_size,
-        steps=args.steps,
-        batch=args.batch,
-        seq_len=args.seq_len,
-        model=LlamaConfig(n_layers=args.layers, dim=args.dim, ffn_dim=3 * args.dim,
-                          n_heads=max(1, args.dim // 64), max_seq_len=args.seq_len),
-        sequence_parallel=args.sequence_parallel,
-        options=options,
-    )
+    try:  # what a worker would fail on fails here, once, before any is spawned
+        cfg = DemoConfig(
+            world_size=args.world_size,
+            steps=args.steps,
+            batch=args.batch,
+            seq_len=args.seq_len,
+            model=LlamaConfig(n_layers=args.layers, dim=args.dim, ffn_dim=3 * args.dim,
+                              n_heads=max(1, args.dim // 64), max_seq_len=args.seq_len),
+            sequence_parallel=args.sequence_parallel,
+            options=options,
+        )
+        check(cfg)
+    except KareusError as exc:
+        return _refused(console, "demo", exc)
     layout = "TP + sequence parallel" if cfg.sequence_parallel else "TP"
     budget = ", ".join(f"{k} {v}" for k, v in _budget(args).items()) or "the fastest plan"
     console.print(
@@ -138,7 +148,10 @@ def _demo(args: argparse.Namespace) -> int:
         f"{cfg.steps} AdamW steps"
     )
     start = time.perf_counter()
-    results = run(cfg)
+    try:
+        results = run(cfg)
+    except KareusError as exc:  # a worker's, e.g. a budget no plan meets
+        return _refused(console, "demo", exc)
     elapsed = time.perf_counter() - start
     rank0 = results[0]
     for report in rank0.reports:

@@ -4,6 +4,10 @@ Spawns ``world_size`` gloo processes; each builds the same model, shards it with
 PyTorch's tensor-parallel API, compiles it with ``backend="kareus"`` and trains it. With
 ``compare_eager`` an identical eager copy trains alongside, so losses and gradients of
 the compiled model can be checked step by step (the end-to-end tests use this).
+
+What every worker would refuse is checked once, before any is spawned (``check``); an error
+kareus raises in a worker all the same (a budget no plan meets, found when the first step
+compiles) comes back as a ``DemoError`` with that error's message, not as tracebacks.
 """
 
 from __future__ import annotations
@@ -12,15 +16,21 @@ import os
 import pickle
 import random
 import socket
+import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
 
-from kareus.models.llama import Llama, LlamaConfig, parallelize_llama
+from kareus.devices.resolve import check_device
+from kareus.errors import KareusError
+from kareus.models.llama import Llama, LlamaConfig, check_tensor_parallel, parallelize_llama
+from kareus.options import KareusOptions
 from kareus.passes.analyse import GraphAnalysis
 from kareus.passes.variants import Variant
 
@@ -53,16 +63,63 @@ class RankResult:
     plan: object = None  # kareus.planner.plan.Plan this rank ran (None: none was made)
 
 
+class DemoError(KareusError, RuntimeError):
+    """The demo cannot run as configured, or a worker stopped on an error kareus raised."""
+
+
+MAX_PARAMETERS = 1_000_000_000
+"""The largest model the demo trains: on CPU, fp32 weights, gradients and AdamW's two
+moments take 16 bytes a parameter (16 GB here), in every worker."""
+
+MAX_ACTIVATION = 1_000_000_000
+"""The most elements of one layer's activation (batch x sequence x dim, 4 GB in fp32); a
+layer keeps tens of them for the backward."""
+
+_RECORDED = 3  # a worker's exit status after recording a KareusError for the parent
+
+
+def check(cfg: DemoConfig) -> None:
+    """Refuse what every worker would fail on, before any is spawned: the options (budgets,
+    the device's name), a custom GPU's spec, the model's shape, its split over the ranks
+    and a size no CPU trains."""
+    for options in (cfg.options, cfg.reference_options):
+        if options is not None:
+            check_device(KareusOptions.from_dict(options).device)
+    check_tensor_parallel(cfg.model, cfg.world_size)
+    if cfg.seq_len > cfg.model.max_seq_len:
+        raise DemoError(f"sequence length {cfg.seq_len} is beyond the model's "
+                        f"max_seq_len {cfg.model.max_seq_len}")
+    if cfg.sequence_parallel and cfg.seq_len % cfg.world_size:
+        raise DemoError(f"sequence parallelism splits the sequence ({cfg.seq_len}) over "
+                        f"{cfg.world_size} ranks: it must divide evenly")
+    if cfg.model.parameters > MAX_PARAMETERS:
+        raise DemoError(f"a {cfg.model.parameters:,}-parameter model is more than the demo "
+                        f"trains on CPU (at most {MAX_PARAMETERS:,}): lower --dim or --layers")
+    activation = cfg.batch * cfg.seq_len * cfg.model.dim
+    if activation > MAX_ACTIVATION:
+        raise DemoError(f"batch x sequence x dim = {activation:,} elements per activation; at "
+                        f"most {MAX_ACTIVATION:,}: lower --batch, --seq-len or --dim")
+
+
 def run(cfg: DemoConfig) -> list[RankResult]:
-    """Train on ``cfg.world_size`` gloo processes and return each rank's result."""
+    """Train on ``cfg.world_size`` gloo processes and return each rank's result (a
+    ``KareusError`` where ``check`` refuses ``cfg``, a ``DemoError`` where a worker raised
+    one)."""
+    check(cfg)
     with tempfile.TemporaryDirectory(prefix="kareus-demo-") as tmp:
-        mp.start_processes(
-            _worker,
-            args=(cfg, f"tcp://127.0.0.1:{_free_port()}", tmp),
-            nprocs=cfg.world_size,
-            join=True,
-            start_method="spawn",
-        )
+        try:
+            mp.start_processes(
+                _worker,
+                args=(cfg, f"tcp://127.0.0.1:{_free_port()}", tmp),
+                nprocs=cfg.world_size,
+                join=True,
+                start_method="spawn",
+            )
+        except ProcessException:
+            recorded = sorted(Path(tmp).glob("rank*.error"), key=lambda p: int(p.stem[4:]))
+            if not recorded:
+                raise  # not an error kareus raised on purpose: its traceback is the report
+            raise DemoError(recorded[0].read_text()) from None
         return [pickle.loads(Path(tmp, f"rank{r}.pkl").read_bytes()) for r in range(cfg.world_size)]
 
 
@@ -77,7 +134,13 @@ def _worker(rank: int, cfg: DemoConfig, init_method: str, out_dir: str) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.world_size))
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=cfg.world_size)
     try:
-        result = train(rank, cfg)
+        try:
+            result = train(rank, cfg)
+        except KareusError as exc:
+            # For the parent to report once; SystemExit passes torch's traceback recording,
+            # and the join stops the other ranks, which may wait on this one.
+            Path(out_dir, f"rank{rank}.error").write_text(f"rank {rank}: {exc}")
+            sys.exit(_RECORDED)
         Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
         # Every rank done before any tears down: a rank (the store's host) exiting while
         # another still finished aborted at interpreter exit (SIGABRT) in 6 of 86 runs of
@@ -95,22 +158,20 @@ def build_model(cfg: DemoConfig) -> Llama:
     return parallelize_llama(Llama(cfg.model), mesh, sequence_parallel=cfg.sequence_parallel)
 
 
-def batches(cfg: DemoConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def batches(cfg: DemoConfig) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """A learnable next-token task: sequences of a fixed random permutation's orbits.
 
     Every token has one successor, so the loss can fall quickly; the data is identical on
-    all ranks, as tensor parallelism requires.
+    all ranks, as tensor parallelism requires. Made a step at a time: any step count fits.
     """
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     successor = torch.randperm(cfg.model.vocab_size, generator=gen)
-    out = []
     for _ in range(cfg.steps):
         tokens = [torch.randint(0, cfg.model.vocab_size, (cfg.batch,), generator=gen)]
         for _ in range(cfg.seq_len):
             tokens.append(successor[tokens[-1]])
         seq = torch.stack(tokens, dim=1)
-        out.append((seq[:, :-1], seq[:, 1:]))
-    return out
+        yield seq[:, :-1], seq[:, 1:]
 
 
 def train(rank: int, cfg: DemoConfig) -> RankResult:

@@ -50,11 +50,19 @@ def show(
     console: Console | None = None,
 ) -> Path:
     """Print the table of a plan or a profile store and write its plot; returns the PNG path
-    (``out``, else ``<target stem>.png`` beside it, ``<dir>/profiles.png`` for a directory)."""
+    (``out``, inside it where it is a directory, else ``<target stem>.png`` beside the
+    target, ``<dir>/profiles.png`` for a directory)."""
+    for name, given in (("target", target), ("--out", out)):
+        # Path("") is the current directory, which nobody means by an empty string.
+        if given is not None and not os.fspath(given).strip():
+            raise ShowError(f"{name}: an empty path; {_TAKES}" if name == "target"
+                            else "--out: an empty path; give the PNG to write")
     path = Path(target)
     console = console or make_console()
     store = _store_file(path)
-    png = Path(out) if out is not None else _default_png(path)
+    png = _default_png(path) if out is None else Path(out)
+    if png.is_dir():
+        png = png / _default_png(path).name
     if store is None:
         _show_plan(_read_plan(path), path, png, console)
     else:
@@ -279,8 +287,11 @@ def _print(console: Console, line: str) -> None:
 
 def _save(fig: Figure, png: Path) -> None:
     """Write ``fig``; a bare ``Figure`` needs no pyplot, no backend and no closing."""
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=120)
+    try:
+        png.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(png, dpi=120)
+    except (OSError, ValueError) as exc:  # ValueError: a suffix matplotlib writes no format of
+        raise ShowError(f"{png}: cannot write the plot there ({exc})") from exc
 
 
 def _num(x: float) -> str:

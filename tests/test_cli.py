@@ -1,7 +1,10 @@
 """The command line refuses what it cannot run before spawning anything."""
 
+import json
+
 import pytest
 
+from kareus import demo
 from kareus.cli import main
 
 
@@ -30,6 +33,72 @@ def test_a_bad_budget_or_target_is_refused_before_anything_runs(capsys, tmp_path
     assert "missing.json: no such file or directory" in capsys.readouterr().out
 
 
+def test_show_refuses_an_empty_target_and_an_unwritable_out(capsys, tmp_path):
+    assert main(["show", ""]) == 2
+    out = capsys.readouterr().out
+    assert "kareus show: target: an empty path" in out and len(out.strip().splitlines()) == 1
+    from test_show import make_plan
+
+    plan = make_plan().save(tmp_path / "plan.json")
+    (tmp_path / "blocker").write_text("a file")
+    assert main(["show", str(plan), "--out", str(tmp_path / "blocker" / "plot.png")]) == 2
+    out = capsys.readouterr().out.strip()
+    assert out.splitlines()[-1].startswith(f"kareus show: {tmp_path / 'blocker' / 'plot.png'}: "
+                                           "cannot write the plot there")
+
+
+@pytest.fixture
+def no_workers(monkeypatch):
+    """Fail the test if the demo spawns anything: every refusal comes before."""
+
+    def spawn(*args, **kwargs):
+        raise AssertionError("workers were spawned")
+
+    monkeypatch.setattr(demo.mp, "start_processes", spawn)
+
+
+def gpu_file(tmp_path, content: bytes | dict, name: str = "gpu.json") -> str:
+    path = tmp_path / name
+    path.write_bytes(content if isinstance(content, bytes) else json.dumps(content).encode())
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--device", "{dir}"], "is a directory, not a GPU .json file"),
+        (["--device", "{binary}"], "not a UTF-8 JSON file ('utf-8' codec can't decode byte 0x89"),
+        (["--device", "{absurd}"], "tdp_w must be a finite number in (0, 5000], got 1e+300"),
+        (["--device", "{clocks}"], "is 10,000 clocks; at most 1,000"),
+        (["--dim", "200"], "Llama dim 200 must split into 3 heads of an even width"),
+        (["--dim", "65"], "Llama dim 65 must split into 1 heads of an even width"),
+        (["--dim", "96"], "must be divisible by the tensor-parallel degree 2"),
+        (["--dim", "102400"], "parameter model is more than the demo trains on CPU"),
+        (["--batch", "100000", "--seq-len", "10000"], "elements per activation"),
+        (["--sequence-parallel", "--seq-len", "33"], "it must divide evenly"),
+        (["--energy-budget", "-1"], "kareus option 'energy_budget'"),
+    ],
+)
+def test_the_demo_refuses_in_one_line_before_spawning_workers(
+    argv, message, tmp_path, capsys, no_workers
+):
+    (tmp_path / "specs").mkdir()
+    files = {
+        "dir": str(tmp_path / "specs"),
+        "binary": gpu_file(tmp_path, b"\x89PNG\r\n\x1a\n\x00"),
+        "absurd": gpu_file(tmp_path, {"base": "sim:h200", "name": "x", "tdp_w": 1e300},
+                           "absurd.json"),
+        "clocks": gpu_file(tmp_path, {"base": "sim:h200", "name": "x", "min_clock_mhz": 1,
+                                      "max_clock_mhz": 10_000, "clock_step_mhz": 1,
+                                      "knee_mhz": 1500}, "clocks.json"),
+    }
+    assert main(["demo", *(a.format(**files) for a in argv)]) == 2
+    captured = capsys.readouterr()
+    lines = captured.out.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kareus demo: "), captured.out
+    assert message in lines[0] and "Traceback" not in captured.err
+
+
 @pytest.mark.slow
 def test_the_demo_plans_trains_with_the_plan_and_writes_it(tmp_path, capsys):
     import json
@@ -44,3 +113,19 @@ def test_the_demo_plans_trains_with_the_plan_and_writes_it(tmp_path, capsys):
     assert plan["budget"] == {"kind": "time", "value": None, "fraction": 1.2}
     assert plan["predicted"]["time_s"] <= 1.2 * plan["baseline"]["time_s"]
     assert "of the baseline" in text and "clock switches recorded on rank 0: 6" in text
+
+
+@pytest.mark.slow
+def test_an_impossible_budget_is_one_line_from_the_first_plan(tmp_path, capsys):
+    """No plan reaches 5% of the baseline's energy: the first plan, made when the first step
+    compiles, says so; the parent prints it once (not each rank's traceback) and exits 2."""
+    argv = ["demo", "--steps", "50", "--dim", "256", "--batch", "4", "--seq-len", "64",
+            "--layers", "1", "--lowering", "eager", "--device", "sim:h200",
+            "--energy-budget", "0.05", "--out", str(tmp_path / "plan.png")]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    last = captured.out.strip().splitlines()[-1]
+    assert last.startswith("kareus demo: rank 0: no plan meets the energy budget 0.05 of the "
+                           "baseline's"), captured.out
+    assert "Traceback" not in captured.out + captured.err
+    assert "loss curve" not in captured.out and not (tmp_path / "plan.json").exists()

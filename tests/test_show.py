@@ -176,3 +176,40 @@ def test_directory_without_a_store_creates_none(tmp_path):
         show(tmp_path, console=console())
     assert str(tmp_path) in str(info.value)
     assert list(tmp_path.iterdir()) == []
+
+
+# -- paths ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("target", ["", "  "])
+def test_an_empty_target_is_refused_not_taken_for_the_current_directory(target):
+    with pytest.raises(ShowError, match="target: an empty path"):
+        show(target, console=console())
+
+
+def test_an_empty_out_is_refused(tmp_path):
+    path = make_plan().save(tmp_path / "plan.json")
+    with pytest.raises(ShowError, match="--out: an empty path"):
+        show(path, out="", console=console())
+
+
+def test_out_to_a_directory_writes_into_it(tmp_path, store_file):
+    path = make_plan().save(tmp_path / "plan.json")
+    figures = tmp_path / "figures"
+    figures.mkdir()
+    assert show(path, out=figures, console=console()) == figures / "plan.png"
+    assert_png(figures / "plan.png")
+    assert not (tmp_path / "figures.png").exists()
+    assert show(store_file.parent, out=figures, console=console()) == figures / "profiles.png"
+    assert_png(figures / "profiles.png")
+
+
+@pytest.mark.parametrize("where", ["under_a_file", "unknown_format"])
+def test_an_unwritable_out_is_one_error_naming_it(tmp_path, where):
+    path = make_plan().save(tmp_path / "plan.json")
+    (tmp_path / "blocker").write_text("a file, not a directory")
+    out = tmp_path / "blocker" / "plot.png" if where == "under_a_file" else tmp_path / "plot.xyz"
+    with pytest.raises(ShowError) as info:
+        show(path, out=out, console=console())
+    message = str(info.value)
+    assert message.startswith(f"{out}: cannot write the plot there") and "\n" not in message

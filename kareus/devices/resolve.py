@@ -66,9 +66,26 @@ def spec_problem(spec: object) -> str | None:
         if spec in preset_names():
             return None
         return f"no simulated preset of that name; presets: {', '.join(preset_names())}"
+    if not spec.strip():
+        return "empty"
+    if Path(spec).is_dir():
+        return f"{spec} is a directory, not a GPU .json file"
     if not Path(spec).is_file():
         return f"no such file: {spec}; and not a device name"
     return None
+
+
+def check_device(spec: object) -> None:
+    """Refuse what ``resolve_device`` would, without opening any device: a name that names
+    none (``DeviceSpecError``), or a custom GPU file that is no valid spec (``GPUSpecError``
+    naming the file). A parent checks this before its workers each open the device."""
+    from kareus.devices.sim.presets import load_preset
+
+    problem = spec_problem(spec)
+    if problem:
+        raise DeviceSpecError(spec, ACCEPTED_DEVICES, problem)
+    if spec not in ("auto", "nvml", "nvml-dry-run"):
+        load_preset(spec)
 
 
 def _auto(nvml_module: ModuleType | Any, nvml_options: dict[str, Any]) -> Device:

@@ -23,6 +23,10 @@ class TensorParallelDegreeError(KareusError, ValueError):
     """The model's heads or FFN width do not split evenly over the tensor-parallel ranks."""
 
 
+class ModelConfigError(KareusError, ValueError):
+    """A model shape the Llama cannot be built or run with."""
+
+
 @dataclass(frozen=True)
 class LlamaConfig:
     vocab_size: int = 256
@@ -33,6 +37,24 @@ class LlamaConfig:
     max_seq_len: int = 64
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+
+    def __post_init__(self) -> None:
+        # Here, not at the first forward: a shape that cannot run fails where it is given.
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "ffn_dim", "max_seq_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ModelConfigError(f"Llama {name} must be an integer >= 1, got {value!r}")
+        if self.dim % self.n_heads or self.dim // self.n_heads % 2:
+            raise ModelConfigError(
+                f"Llama dim {self.dim} must split into {self.n_heads} heads of an even width "
+                "(rotary embeddings rotate pairs of a head's channels)"
+            )
+
+    @property
+    def parameters(self) -> int:
+        """Weights in the model: embeddings, output, norms, and per layer attention and MLP."""
+        layer = 4 * self.dim * self.dim + 3 * self.dim * self.ffn_dim + 2 * self.dim
+        return 2 * self.vocab_size * self.dim + self.dim + self.n_layers * layer
 
 
 class RMSNorm(nn.Module):
@@ -126,6 +148,15 @@ class Llama(nn.Module):
         return self.output(self.norm(h))
 
 
+def check_tensor_parallel(cfg: LlamaConfig, degree: int) -> None:
+    """Refuse a degree the heads or the FFN width do not split evenly over."""
+    if cfg.n_heads % degree or cfg.ffn_dim % degree:
+        raise TensorParallelDegreeError(
+            f"heads ({cfg.n_heads}) and ffn_dim ({cfg.ffn_dim}) must be "
+            f"divisible by the tensor-parallel degree {degree}"
+        )
+
+
 def parallelize_llama(model: Llama, mesh, *, sequence_parallel: bool = False) -> Llama:
     """Shard ``model`` in place over the 1-D ``mesh`` the way torchtitan does for Llama.
 
@@ -142,11 +173,7 @@ def parallelize_llama(model: Llama, mesh, *, sequence_parallel: bool = False) ->
         parallelize_module,
     )
 
-    if model.cfg.n_heads % mesh.size() or model.cfg.ffn_dim % mesh.size():
-        raise TensorParallelDegreeError(
-            f"heads ({model.cfg.n_heads}) and ffn_dim ({model.cfg.ffn_dim}) must be "
-            f"divisible by the tensor-parallel degree {mesh.size()}"
-        )
+    check_tensor_parallel(model.cfg, mesh.size())
     residual = Shard(1) if sequence_parallel else Replicate()
     parallelize_module(
         model,

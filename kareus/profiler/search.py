@@ -42,7 +42,8 @@ from kareus.errors import KareusError
 
 
 class SearchSpaceError(KareusError, ValueError):
-    """A search space has an empty axis, or clocks not descending from the default."""
+    """A search space has an empty axis, clocks not descending from the default, or more
+    clocks or configurations than a search or an exhaustive run takes."""
 
 
 class SearchBudgetError(KareusError, ValueError):
@@ -59,23 +60,37 @@ class Config:
     clock_mhz: int
 
 
+MAX_SEARCH_CLOCKS = 1000
+"""The most clocks a search takes: each clock step scores every unmeasured clock of every
+measured schedule (a device has about 100; GPU specs are held to the same bound)."""
+
+MAX_EXHAUSTIVE = 100_000
+"""The most configurations ``exhaustive`` measures: each is a measurement (seconds on a
+real GPU), and more than this is no ground truth anyone waits for."""
+
+
 @dataclass(frozen=True)
 class Space:
-    """The grid a partition is searched over; ``clocks`` descending from the default.
-    ``default_sms``: what None (the library's default) amounts to, so the surrogate sees the
-    SM choices in the order of what they give the collective."""
+    """The grid a partition is searched over; ``clocks`` strictly descending from the
+    default (a tuple, or a ``range`` with a negative step: nothing here lists the clocks or
+    the grid, so neither needs to fit in memory). ``default_sms``: what None (the library's
+    default) amounts to, so the surrogate sees the SM choices in the order of what they
+    give the collective."""
 
     slots: tuple[int, ...]
     resources: tuple[int | None, ...]
-    clocks: tuple[int, ...]
+    clocks: Sequence[int]
     default_sms: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("slots", "resources", "clocks"):
             if not getattr(self, name):
                 raise SearchSpaceError(f"search space: {name} is empty")
-        if tuple(sorted(self.clocks, reverse=True)) != self.clocks:
-            raise SearchSpaceError(f"search space: clocks must descend, got {self.clocks}")
+        clocks = self.clocks
+        descending = (clocks.step < 0 or len(clocks) == 1 if isinstance(clocks, range)
+                      else all(a > b for a, b in itertools.pairwise(clocks)))
+        if not descending:
+            raise SearchSpaceError(f"search space: clocks must strictly descend, got {clocks}")
 
     @property
     def ordered_resources(self) -> tuple[int | None, ...]:
@@ -95,6 +110,18 @@ class Space:
     def __iter__(self):
         for slot, sms, clock in itertools.product(self.slots, self.resources, self.clocks):
             yield Config(slot, sms, clock)
+
+    def config(self, index: int) -> Config:
+        """The configuration at ``index`` in iteration order, computed, not looked up."""
+        rest, clock = divmod(index, len(self.clocks))
+        slot, sms = divmod(rest, len(self.resources))
+        return Config(self.slots[slot], self.resources[sms], self.clocks[clock])
+
+    def index(self, config: Config) -> int:
+        """Where ``config`` comes in iteration order (``config``'s inverse)."""
+        return ((self.slots.index(config.slot) * len(self.resources)
+                 + self.resources.index(config.sms)) * len(self.clocks)
+                + self.clocks.index(config.clock_mhz))
 
     @property
     def default(self) -> Config:
@@ -184,6 +211,11 @@ def search(
     them with their frontiers; no configuration is measured twice."""
     if budget < 1:
         raise SearchBudgetError(f"search budget must be at least 1, got {budget}")
+    if len(space.clocks) > MAX_SEARCH_CLOCKS:
+        raise SearchSpaceError(
+            f"search space: {len(space.clocks):,} clocks; a search takes at most "
+            f"{MAX_SEARCH_CLOCKS:,} (search fewer, or in coarser steps)"
+        )
     rng = random.Random(seed)
     points: list[Point] = []
     seen: set[Config] = set()
@@ -193,7 +225,8 @@ def search(
         seen.add(config)
         points.append(Point.of(config, evaluate(config)))
 
-    for config in _start(space, rng, min(initial, budget)):
+    # The start does not depend on the budget, so a shorter budget measures a prefix.
+    for config in _start(space, rng, initial)[:budget]:
         measure(config)
     reference = reference_point(points)
     references = {energy: reference_point(points, energy) for energy in (ENERGY, EFFECTIVE)}
@@ -220,17 +253,25 @@ def search(
 
 
 def exhaustive(space: Space, evaluate: Callable[[Config], Measurement]) -> list[Point]:
-    """Every configuration of ``space``: the ground truth the search is judged against."""
+    """Every configuration of ``space``: the ground truth the search is judged against (a
+    ``SearchSpaceError`` beyond ``MAX_EXHAUSTIVE`` of them)."""
+    if space.size > MAX_EXHAUSTIVE:
+        raise SearchSpaceError(
+            f"search space: {space.size:,} configurations; an exhaustive run measures at "
+            f"most {MAX_EXHAUSTIVE:,} (search it instead)"
+        )
     return [Point.of(config, evaluate(config)) for config in space]
 
 
 def _start(space: Space, rng: random.Random, n: int) -> list[Config]:
-    """The default variant at the highest and lowest clocks, then seeded random picks."""
+    """The default variant at the highest and lowest clocks, then seeded random picks:
+    indices drawn from the grid's size, so the grid is never listed."""
     default = space.default
     start = list(dict.fromkeys([default, Config(default.slot, default.sms, space.clocks[-1])]))
-    rest = [c for c in space if c not in start]
-    rng.shuffle(rest)
-    return (start + rest)[:n]
+    taken = {space.index(c) for c in start}
+    # n draws leave at least n - len(start) outside the start (or all of a smaller grid).
+    drawn = rng.sample(range(space.size), min(n, space.size))
+    return (start + [space.config(i) for i in drawn if i not in taken])[:n]
 
 
 Curve = dict[int, Point]  # one schedule's measured points by clock
@@ -394,5 +435,15 @@ def _propose(
     config = Config(space.slots[slot], space.ordered_resources[sms], space.clocks[clock])
     if config not in seen:
         return config
-    unmeasured = [c for c in space if c not in seen]
-    return unmeasured[rng.randrange(len(unmeasured))]
+    return _unmeasured(space, seen, rng)
+
+
+def _unmeasured(space: Space, seen: set[Config], rng: random.Random) -> Config:
+    """A uniformly drawn configuration outside ``seen``: the draw's rank among the
+    unmeasured ones, stepped past each measured index at or below it (the grid unlisted)."""
+    index = rng.randrange(space.size - len(seen))
+    for measured in sorted(space.index(c) for c in seen):
+        if measured > index:
+            break
+        index += 1
+    return space.config(index)

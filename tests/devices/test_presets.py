@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 
 import pytest
 
 from kareus.devices import GPUSpec, SimulatedGPU, load_preset, preset_names
 from kareus.devices.errors import DeviceError, GPUSpecError
-from kareus.devices.sim.presets import COLLECTIVE_KINDS, PRESETS, _validate
+from kareus.devices.sim.presets import (
+    _RANGES,
+    COLLECTIVE_KINDS,
+    MAX_CLOCKS,
+    MAX_SPEC_BYTES,
+    PRESETS,
+    _validate,
+)
 
 
 @pytest.mark.regression
@@ -124,42 +132,53 @@ def bus_json(kind: str, raw: str) -> str:
 
 
 FRACTION = r"a finite number in \(0, 1\]"
+POSITIVE = r"a finite number in \(0, \S+\]"
+NON_NEGATIVE = r"a finite number in \[0, \S+\]"
+COUNT = r"an integer in \[1, \d+\]"
 
 
 @pytest.mark.parametrize(
     "key, raw, field, accepted",
     [
-        ("kernel_floor_s", "0", "kernel_floor_s", "a finite number > 0"),
-        ("kernel_floor_s", "-1e-6", "kernel_floor_s", "a finite number > 0"),
-        ("ring_step_latency_s", "0", "ring_step_latency_s", "a finite number > 0"),
+        ("kernel_floor_s", "0", "kernel_floor_s", POSITIVE),
+        ("kernel_floor_s", "-1e-6", "kernel_floor_s", POSITIVE),
+        ("ring_step_latency_s", "0", "ring_step_latency_s", POSITIVE),
         (
             "bus_bytes_per_s",
             bus_json("all_reduce", "Infinity"),
             "bus_bytes_per_s['all_reduce']",
-            "a finite number > 0",
+            POSITIVE,
         ),
         (
             "bus_bytes_per_s",
             bus_json("all_gather", "true"),
             "bus_bytes_per_s['all_gather']",
-            "a finite number > 0",
+            POSITIVE,
         ),
         (
             "bus_bytes_per_s",
             bus_json("all_to_all", "0"),
             "bus_bytes_per_s['all_to_all']",
-            "a finite number > 0",
+            POSITIVE,
         ),
-        ("hbm_bytes_per_s", "NaN", "hbm_bytes_per_s", "a finite number > 0"),
-        ("hbm_bytes_per_s", "Infinity", "hbm_bytes_per_s", "a finite number > 0"),
-        ("tdp_w", "true", "tdp_w", "a finite number > 0"),
-        ("static_power_w", "-5", "static_power_w", "a finite number >= 0"),
-        ("sm_count", "-132", "sm_count", "an integer >= 1"),
-        ("default_comm_sms", "0", "default_comm_sms", "an integer >= 1"),
-        ("nccl_buffer_bytes", "true", "nccl_buffer_bytes", "an integer >= 1"),
+        ("hbm_bytes_per_s", "NaN", "hbm_bytes_per_s", POSITIVE),
+        ("hbm_bytes_per_s", "Infinity", "hbm_bytes_per_s", POSITIVE),
+        ("tdp_w", "true", "tdp_w", POSITIVE),
+        ("static_power_w", "-5", "static_power_w", NON_NEGATIVE),
+        ("sm_count", "-132", "sm_count", COUNT),
+        ("default_comm_sms", "0", "default_comm_sms", COUNT),
+        ("nccl_buffer_bytes", "true", "nccl_buffer_bytes", COUNT),
         ("hbm_efficiency", "1.2", "hbm_efficiency", FRACTION),
         ("memory_sm_activity", "NaN", "memory_sm_activity", FRACTION),
         ("gemm_efficiency", "0", "gemm_efficiency", FRACTION),
+        # Absurd but finite: every field has an upper bound.
+        ("tdp_w", "1e300", "tdp_w", r"a finite number in \(0, 5000\], got 1e\+300"),
+        ("sm_count", "1000000000", "sm_count", r"an integer in \[1, 4096\], got 1000000000"),
+        ("sm_count", "1" + "0" * 400, "sm_count", r"an integer in \[1, 4096\]"),
+        ("max_clock_mhz", "20000001", "max_clock_mhz", r"an integer in \[1, 10000\]"),
+        ("hbm_bytes_per_s", "1e20", "hbm_bytes_per_s", r"a finite number in \(0, 1e\+14\]"),
+        ("v_max", "50", "v_max", r"a finite number in \(0, 2\]"),
+        ("clock_switch_s", "1e9", "clock_switch_s", r"a finite number in \[0, 60\]"),
     ],
 )
 def test_out_of_range_fields_are_device_errors(tmp_path, key, raw, field, accepted):
@@ -174,10 +193,57 @@ def test_out_of_range_fields_are_device_errors(tmp_path, key, raw, field, accept
 
 
 def test_out_of_range_fields_are_rejected_in_code_too():
-    with pytest.raises(GPUSpecError, match="kernel_floor_s must be a finite number > 0, got 0"):
+    with pytest.raises(GPUSpecError, match=r"kernel_floor_s must be a finite number in \(0, "):
         dataclasses.replace(PRESETS["sim:h200"], kernel_floor_s=0)
 
 
 @pytest.mark.parametrize("name", preset_names())
 def test_every_preset_passes_the_checks(name):
     _validate(PRESETS[name])  # raises on any out-of-range or inconsistent field
+
+
+def test_every_numeric_field_has_a_finite_upper_bound():
+    assert all(math.isfinite(accepted.high) for accepted in _RANGES.values())
+
+
+def test_a_spec_with_too_many_clocks_is_refused(tmp_path):
+    # 1..10,000 MHz in 1 MHz steps: each field in range, 10,000 clocks together.
+    path = write(tmp_path, {"base": "sim:h200", "name": "x", "min_clock_mhz": 1,
+                            "max_clock_mhz": 10_000, "clock_step_mhz": 1, "knee_mhz": 1500,
+                            "search_min_mhz": 1215, "search_step_mhz": 45})
+    with pytest.raises(GPUSpecError, match=r"gpu.json.*10,000 clocks; at most 1,000"):
+        load_preset(path)
+    assert max(len(s.supported_clocks()) for s in PRESETS.values()) <= MAX_CLOCKS
+
+
+@pytest.mark.parametrize(
+    "raw, problem",
+    [
+        (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", "can't decode byte 0x89"),
+        (b"\xff\xfe{\x00}\x00", "can't decode byte 0xff"),
+        (b"\x00\x01\x02", "Expecting value"),
+        (b"1" * 5000, "Exceeds the limit"),
+        (b"[" * 100_000, "maximum recursion depth"),
+    ],
+)
+def test_a_binary_or_non_json_file_is_one_error_naming_it(tmp_path, raw, problem):
+    path = tmp_path / "gpu.json"
+    path.write_bytes(raw)
+    with pytest.raises(GPUSpecError) as error:
+        load_preset(str(path))
+    message = str(error.value)
+    assert f"cannot read GPU spec {str(path)!r}: not a UTF-8 JSON file" in message
+    assert problem in message and "\n" not in message
+
+
+def test_a_huge_file_is_not_read_whole(tmp_path):
+    path = tmp_path / "gpu.json"
+    path.write_bytes(b" " * (MAX_SPEC_BYTES + 1))
+    with pytest.raises(GPUSpecError, match="gpu.json.*larger than 1,048,576 bytes"):
+        load_preset(str(path))
+
+
+def test_a_directory_named_like_a_spec_is_reported_as_one(tmp_path):
+    (tmp_path / "gpu.json").mkdir()
+    with pytest.raises(GPUSpecError, match="cannot read GPU spec .*gpu.json.*Is a directory"):
+        load_preset(str(tmp_path / "gpu.json"))

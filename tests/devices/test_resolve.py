@@ -10,7 +10,7 @@ import torch
 from fake_pynvml import FakeGpu, FakeNvml
 
 from kareus.devices import resolve
-from kareus.devices.errors import DeviceSpecError, NvmlUnavailableError
+from kareus.devices.errors import DeviceSpecError, GPUSpecError, NvmlUnavailableError
 from kareus.devices.nvml import gpu as nvml
 from kareus.devices.nvml.gpu import NvmlGPU
 from kareus.devices.resolve import DEFAULT_SIMULATED, resolve_device
@@ -94,3 +94,25 @@ def test_custom_gpu_file(tmp_path: Path) -> None:
     with pytest.raises(DeviceSpecError, match="no such file"):
         resolve_device(f"{tmp_path}/missing.json")
 
+
+
+def test_a_directory_is_reported_as_one_not_as_a_missing_file(tmp_path: Path) -> None:
+    for name in ("specs", "gpu.json"):
+        (tmp_path / name).mkdir()
+        with pytest.raises(DeviceSpecError, match=f"{tmp_path / name} is a directory") as info:
+            resolve_device(str(tmp_path / name))
+        assert "no such file" not in str(info.value)
+
+
+def test_an_invalid_custom_gpu_is_refused_without_opening_a_device(tmp_path: Path) -> None:
+    path = tmp_path / "gpu.json"
+    path.write_bytes(b"\x89PNG\r\n")
+    with pytest.raises(GPUSpecError, match="gpu.json.*not a UTF-8 JSON file"):
+        resolve.check_device(str(path))
+    path.write_text(json.dumps({"base": "sim:h200", "name": "x", "tdp_w": 1e300}))
+    with pytest.raises(GPUSpecError, match=r"gpu.json.*tdp_w must be a finite number in"):
+        resolve.check_device(str(path))
+    with pytest.raises(DeviceSpecError, match="no such file"):
+        resolve.check_device(str(tmp_path / "missing.json"))
+    for fine in ("auto", "nvml", "sim:h200"):
+        resolve.check_device(fine)  # names only: no NVML opened, no file read

@@ -9,9 +9,14 @@ import pytest
 
 from kareus.devices.base import Measurement
 from kareus.profiler.search import (
+    MAX_EXHAUSTIVE,
+    MAX_SEARCH_CLOCKS,
     Config,
     Point,
+    SearchSpaceError,
     Space,
+    _start,
+    _unmeasured,
     exhaustive,
     hypervolume,
     pareto,
@@ -158,3 +163,55 @@ def test_a_knob_with_one_choice_is_searched_over_the_others():
     result = search(space, evaluate, budget=10, seed=0, patience=100)
     assert len(result.points) == 10 == len({p.config for p in result.points})
     assert {(p.config.sms, p.config.clock_mhz) for p in result.points} == {(None, 1410)}
+
+
+# 1..20,000,001 MHz in 1 MHz steps: what a GPU spec once asked for, which hung the search.
+HUGE = Space(slots=(0, 1, 2, 3), resources=(None, 8, 16), clocks=range(20_000_001, 0, -1))
+
+
+@pytest.mark.timeout(10)  # a hang, not a speed: listing the grid takes minutes and 20 GB
+def test_a_huge_space_builds_and_samples_without_being_listed():
+    assert HUGE.size == 4 * 3 * 20_000_001
+    start = _start(HUGE, random.Random(0), 6)
+    assert start[:2] == [Config(0, None, 20_000_001), Config(0, None, 1)]
+    assert len(set(start)) == 6 and all(HUGE.config(HUGE.index(c)) == c for c in start)
+    seen = set(start)
+    for _ in range(100):
+        seen.add(_unmeasured(HUGE, seen, random.Random(len(seen))))
+    assert len(seen) == 106
+    assert HUGE.config(HUGE.size - 1) == Config(3, 16, 1)
+
+
+@pytest.mark.timeout(10)
+def test_a_search_or_exhaustive_run_refuses_a_space_it_cannot_hold():
+    with pytest.raises(SearchSpaceError, match=f"20,000,001 clocks; a search takes at most "
+                                                f"{MAX_SEARCH_CLOCKS:,}"):
+        search(HUGE, synthetic)
+    with pytest.raises(SearchSpaceError, match=f"240,000,012 configurations; an exhaustive run "
+                                                f"measures at most {MAX_EXHAUSTIVE:,}"):
+        exhaustive(HUGE, synthetic)
+
+
+def test_clocks_must_strictly_descend():
+    for clocks in ((1410, 1410, 900), (900, 1410), range(900, 1411, 30)):
+        with pytest.raises(SearchSpaceError, match="clocks must strictly descend"):
+            Space(slots=(0,), resources=(None,), clocks=clocks)
+    assert Space(slots=(0,), resources=(None,), clocks=range(1410, 899, -30)).size == 18
+
+
+def test_a_random_unmeasured_pick_is_the_listed_grids():
+    """The pick computed from indices is the one drawn from the listed unmeasured grid."""
+    rng = random.Random(7)
+    for _ in range(200):
+        seen = set(rng.sample(list(SPACE), rng.randrange(SPACE.size)))
+        seed = rng.random()
+        listed = [c for c in SPACE if c not in seen]
+        assert _unmeasured(SPACE, seen, random.Random(seed)) == (
+            listed[random.Random(seed).randrange(len(listed))])
+
+
+def test_a_budget_below_the_start_measures_a_prefix_of_it():
+    long = search(SPACE, synthetic, budget=12, seed=4, patience=100).points
+    for budget in (1, 3, 5):
+        short = search(SPACE, synthetic, budget=budget, seed=4).points
+        assert [p.config for p in short] == [p.config for p in long[:budget]]

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -152,79 +151,126 @@ _FIELDS = {f.name: f for f in dataclasses.fields(GPUSpec)}
 
 @dataclass(frozen=True)
 class _Range:
-    """Accepted values of a numeric field: finite, never a bool, ``low`` < (or <=) value
-    <= ``high``; ``integer`` for counts, clocks and sizes."""
+    """Accepted values of a numeric field: never a bool, ``low`` < (or <=) value <=
+    ``high`` (finite, so NaN and infinities fail too); ``integer`` for counts, clocks and
+    sizes. Every ``high`` is an order of magnitude or more above today's parts: it refuses
+    typos and absurd values, not future GPUs."""
 
     low: float
+    high: float
     low_open: bool = True  # value > low (else value >= low)
-    high: float = math.inf
     integer: bool = False
 
     def accepts(self, value: object) -> bool:
         if isinstance(value, bool) or not isinstance(value, int if self.integer else (int, float)):
             return False
-        if not math.isfinite(value):
-            return False
+        # Comparisons, not math.isfinite: an int too large for a float compares exactly.
         above = value > self.low if self.low_open else value >= self.low
         return above and value <= self.high
 
     def describe(self) -> str:
         if self.integer:
-            return f"an integer >= {self.low + 1 if self.low_open else self.low:g}"
-        if self.high < math.inf:
-            return f"a finite number in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}]"
-        return f"a finite number {'>' if self.low_open else '>='} {self.low:g}"
+            low = self.low + 1 if self.low_open else self.low
+            return f"an integer in [{int(low)}, {int(self.high)}]"
+        return f"a finite number in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}]"
 
 
-_COUNT = _Range(0, integer=True)  # SMs, clocks in MHz, bytes: integers >= 1
-_POSITIVE = _Range(0)  # divides somewhere, or is a scale whose 0 means no device
-_NON_NEGATIVE = _Range(0, low_open=False)  # an added cost that may be zero
-_FRACTION = _Range(0, high=1)  # an efficiency or a share
+def _count(high: int) -> _Range:
+    """SMs, clocks in MHz, bytes: integers >= 1."""
+    return _Range(0, high, integer=True)
+
+
+def _positive(high: float) -> _Range:
+    """Divides somewhere, or is a scale whose 0 means no device."""
+    return _Range(0, high)
+
+
+def _non_negative(high: float) -> _Range:
+    """An added cost that may be zero."""
+    return _Range(0, high, low_open=False)
+
+
+_FRACTION = _Range(0, 1)  # an efficiency or a share
+# B200 (the largest part today) has 148 SMs: a few thousand leaves 25x.
+_SMS = _count(4096)
+# B200's dense bf16 peak, 2.25 PFLOP/s at about 1.96 GHz, is 1.1e6 FLOP per clock.
+_FLOP_PER_CLK = _positive(1e8)
+# The most a GPU draws today is about 1.4 kW (GB300); 5 kW for one GPU is out of reach of
+# any board's power delivery and cooling.
+_WATTS = _positive(5000)
+_IDLE_WATTS = _non_negative(5000)
+# Silicon clocks stay below 10 GHz (GPUs: about 2 GHz).
+_MHZ = _count(10_000)
+# HBM3e reaches 8 TB/s (B200), NVLink 5 1.8 TB/s per GPU: 100 TB/s bounds both.
+_BYTES_PER_S = _positive(1e14)
+# cuBLAS and FlashAttention tiles are 64-256 rows: one CTA's shared memory holds no more
+# than a few thousand rows.
+_TILE = _count(4096)
+# Kernel launches, gaps and ring steps take microseconds: 10 ms is 1000x that.
+_SHORT_S = _positive(1e-2)
+_SHORT_GAP_S = _non_negative(1e-2)
+# Power windows, clock transitions and switch spacings are 10 ms to 1 s: a minute is
+# longer than any step a plan is made for.
+_LONG_S = _positive(60)
+_LONG_GAP_S = _non_negative(60)
+# Today's parts run at 0.7-1.0 V; 2 V would break down a 4-7 nm gate.
+_VOLTS = _positive(2)
+# Stream bandwidths relative to a copy's (0.79 and 0.87 on H200), HBM bytes per bus byte
+# (2 assumed, bounds 1-4): a few times their values.
+_RATIO = _positive(16)
+_NON_NEGATIVE_RATIO = _non_negative(16)
 
 _RANGES: dict[str, _Range] = {
-    "sm_count": _COUNT,
-    "flop_per_clk": _POSITIVE,
+    "sm_count": _SMS,
+    "flop_per_clk": _FLOP_PER_CLK,
     "gemm_efficiency": _FRACTION,
-    "measured_gemm_tflops": _POSITIVE,
-    "reference_power_w": _POSITIVE,
-    "gemm_tile_m": _COUNT,
-    "gemm_tile_n": _COUNT,
+    "measured_gemm_tflops": _positive(1e5),  # 1e5 TFLOP/s: 1e8 FLOP/clk at 1 GHz
+    "reference_power_w": _WATTS,
+    "gemm_tile_m": _TILE,
+    "gemm_tile_n": _TILE,
     "attention_fwd_efficiency": _FRACTION,
     "attention_bwd_efficiency": _FRACTION,
-    "attention_block": _COUNT,
-    "fp32_flop_per_clk": _POSITIVE,
+    "attention_block": _TILE,
+    "fp32_flop_per_clk": _FLOP_PER_CLK,
     "fp32_efficiency": _FRACTION,
     "fp32_activity": _FRACTION,
-    "kernel_floor_s": _POSITIVE,  # a kernel's bytes are divided by its duration
-    "launch_overhead_s": _NON_NEGATIVE,
-    "hbm_bytes_per_s": _POSITIVE,
+    "kernel_floor_s": _SHORT_S,  # a kernel's bytes are divided by its duration
+    "launch_overhead_s": _SHORT_GAP_S,
+    "hbm_bytes_per_s": _BYTES_PER_S,
     "hbm_efficiency": _FRACTION,
-    "hbm_read_only_factor": _POSITIVE,
-    "hbm_write_only_factor": _POSITIVE,
-    "memory_clock_sensitivity": _NON_NEGATIVE,
-    "hbm_pj_per_bit": _NON_NEGATIVE,
-    "tdp_w": _POSITIVE,
-    "power_window_s": _POSITIVE,
-    "static_power_w": _NON_NEGATIVE,
-    "idle_power_w": _NON_NEGATIVE,
-    "v_floor": _POSITIVE,
-    "v_max": _POSITIVE,
-    "knee_mhz": _COUNT,
+    "hbm_read_only_factor": _RATIO,
+    "hbm_write_only_factor": _RATIO,
+    # sigma = 1: memory-bound kernels slow with the clock as much as compute does.
+    "memory_clock_sensitivity": _non_negative(1),
+    # HBM takes about 4 pJ/bit, off-package DDR about 20: 100 bounds any memory.
+    "hbm_pj_per_bit": _non_negative(100),
+    "tdp_w": _WATTS,
+    "power_window_s": _LONG_S,
+    "static_power_w": _IDLE_WATTS,
+    "idle_power_w": _IDLE_WATTS,
+    "v_floor": _VOLTS,
+    "v_max": _VOLTS,
+    "knee_mhz": _MHZ,
     "memory_sm_activity": _FRACTION,
-    "min_clock_mhz": _COUNT,
-    "max_clock_mhz": _COUNT,
-    "clock_step_mhz": _COUNT,
-    "search_min_mhz": _COUNT,
-    "search_step_mhz": _COUNT,
-    "clock_switch_s": _NON_NEGATIVE,
-    "min_switch_interval_s": _NON_NEGATIVE,
-    "bus_bytes_per_s": _POSITIVE,  # each value; a collective's bytes are divided by it
-    "default_comm_sms": _COUNT,
-    "saturating_comm_sms": _COUNT,  # each value
-    "ring_step_latency_s": _POSITIVE,  # a collective's HBM bytes are divided by its time
-    "nccl_buffer_bytes": _COUNT,
-    "comm_hbm_bytes_per_bus_byte": _NON_NEGATIVE,
+    "min_clock_mhz": _MHZ,
+    "max_clock_mhz": _MHZ,
+    "clock_step_mhz": _MHZ,
+    "search_min_mhz": _MHZ,
+    "search_step_mhz": _MHZ,
+    "clock_switch_s": _LONG_GAP_S,
+    "min_switch_interval_s": _LONG_GAP_S,
+    "bus_bytes_per_s": _BYTES_PER_S,  # each value; a collective's bytes are divided by it
+    "default_comm_sms": _SMS,
+    "saturating_comm_sms": _SMS,  # each value
+    "ring_step_latency_s": _SHORT_S,  # a collective's HBM bytes are divided by its time
+    # NCCL_BUFFSIZE defaults to 4 MiB; 1 GiB is more than a GPU gives one channel.
+    "nccl_buffer_bytes": _count(1 << 30),
+    "comm_hbm_bytes_per_bus_byte": _NON_NEGATIVE_RATIO,
 }
+MAX_CLOCKS = 1000
+"""The most SM clocks a spec may have (``supported_clocks``; ``search_clocks`` are some of
+them): NVML lists 81 on A100 and 110 on H100, and the simulator, the search and a plan
+visit every clock."""
 _PER_KIND = ("bus_bytes_per_s", "saturating_comm_sms")  # a value per collective kind
 assert set(_RANGES) == set(_FIELDS) - {"name", "model_version"}, (
     "every numeric GPUSpec field needs a range"
@@ -281,6 +327,13 @@ def _validate(spec: GPUSpec) -> None:
         raise GPUSpecError(
             f"GPU spec {spec.name!r}: invalid "
             + ", ".join(f"{name}={getattr(spec, name)!r}" for name in bad)
+        )
+    clocks = (spec.max_clock_mhz - spec.min_clock_mhz) // spec.clock_step_mhz + 1
+    if clocks > MAX_CLOCKS:
+        raise GPUSpecError(
+            f"GPU spec {spec.name!r}: {spec.min_clock_mhz}..{spec.max_clock_mhz} MHz in "
+            f"{spec.clock_step_mhz} MHz steps is {clocks:,} clocks; at most {MAX_CLOCKS:,} "
+            "(a real GPU has about 100): raise clock_step_mhz or narrow the range"
         )
 
 
@@ -582,13 +635,30 @@ def load_preset(name_or_path: str | os.PathLike[str]) -> GPUSpec:
     )
 
 
+MAX_SPEC_BYTES = 1 << 20
+"""The largest custom GPU file read: a spec is about 2 kB, so anything near this is not one."""
+
+
 def spec_from_json(path: str | os.PathLike[str]) -> GPUSpec:
     """Load a custom GPU; errors name the file and the bad or missing keys."""
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_SPEC_BYTES + 1)
+    except OSError as e:
         raise GPUSpecError(f"cannot read GPU spec {os.fspath(path)!r}: {e}") from e
+    if len(raw) > MAX_SPEC_BYTES:
+        raise GPUSpecError(
+            f"cannot read GPU spec {os.fspath(path)!r}: larger than {MAX_SPEC_BYTES:,} bytes, "
+            "so not a GPU spec (one is a JSON object of about 2 kB)"
+        )
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    # Not UTF-8 (UnicodeDecodeError), not JSON, an integer of too many digits (ValueError)
+    # or arrays nested too deep (RecursionError).
+    except (ValueError, RecursionError) as e:
+        raise GPUSpecError(
+            f"cannot read GPU spec {os.fspath(path)!r}: not a UTF-8 JSON file ({e})"
+        ) from e
     if not isinstance(data, dict):
         raise GPUSpecError(f"GPU spec {os.fspath(path)!r} must be a JSON object")
     base_name = data.pop("base", None)
