@@ -115,8 +115,11 @@ class StepPlanner:
         """The given plan's choice for this graph (a ``PlanError`` where it was made for
         another graph of its kind, or is no variant of it at a clock of the device)."""
         assert self.plan is not None
-        entry = self.plan.match(analysis.label, analysis.key, analysis.kind)
         source = self._given_source
+        try:
+            entry = self.plan.match(analysis.label, analysis.key, analysis.kind)
+        except PlanError as exc:  # it names the graphs; the file too
+            raise PlanError(f"{source}: {exc}") from exc
         if entry is None:
             return None, f"not in the plan {source}: runs as the options say"
         self.plan.check_choice(entry, analysis.space, self.device, source)

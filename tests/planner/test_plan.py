@@ -264,6 +264,9 @@ def test_the_step_planner_refuses_a_given_choice_outside_the_graph(gpu, tmp_path
         planner.given_choice(backward)
     forward = SimpleNamespace(label="r0/forward", key="f" * 16, kind="forward", space=SPACE)
     assert planner.given_choice(forward) == (plan.graphs[0].choice, "choice from the plan p.json")
+    other = SimpleNamespace(label="r0/forward", key="x" * 16, kind="forward", space=SPACE)
+    with pytest.raises(PlanError, match="^p.json: the plan was made for another graph r0/forward"):
+        planner.given_choice(other)
 
 
 def test_options_a_given_plan_contradicts_are_refused(gpu, tmp_path):
