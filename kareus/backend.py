@@ -77,6 +77,8 @@ class KareusBackend:
         self._reports = ReportBook(self.runtime.backends.next_report, self.options.explain)
         self._planner: StepPlanner | None = None
         self._given_plan = Plan.load(self.options.plan) if self.options.plan else None
+        if self._given_plan is not None:
+            self.options.check_plan(self._given_plan)
         self._forwards: dict[int, ForwardInterfaces] = {}  # region -> its forward's interfaces
         self.runtime.backends.add(self)
 

@@ -19,6 +19,7 @@ from kareus.errors import KareusError
 from kareus.planner.budget import Budget, BudgetError
 
 if TYPE_CHECKING:
+    from kareus.planner.plan import Plan
     from kareus.profiler.measure import Protocol
     from kareus.profiler.profile import Settings
 
@@ -181,7 +182,9 @@ class KareusOptions:
     def check_planning(self, policy_in_code: bool = False) -> None:
         """Refuse what asks the plan for something no plan is made for: a budget or
         ``nanobatches="auto"`` without profiling, beside a given plan, or beside a chooser
-        or clock given in code (``policy_in_code``), which replace the plan."""
+        or clock given in code (``policy_in_code``), which replace the plan; and, beside a
+        given plan, what it would silently override: a nanobatch count, a chooser or a
+        clock given in code."""
         asks = [name for name, given in (("a budget", self.budget.kind != "fastest"),
                                          ('nanobatches="auto"', self.nanobatches == "auto"))
                 if given]
@@ -195,6 +198,26 @@ class KareusOptions:
             raise KareusOptionError(
                 f"kareus options: {' and '.join(asks)} {'needs' if len(asks) == 1 else 'need'} "
                 f"a plan, and none is made with {why}"
+            )
+        overridden = [name for name, given in (
+            (f"nanobatches={self.nanobatches!r}", self.nanobatches not in (1, "auto")),
+            ("a chooser or clock_mhz given in code", policy_in_code),
+        ) if given]
+        if self.plan is not None and overridden:
+            raise KareusOptionError(
+                f"kareus options: {' and '.join(overridden)} and plan={self.plan!r} contradict: "
+                "the plan says each graph's nanobatch count, variant and clock; give one"
+            )
+
+    def check_plan(self, plan: Plan) -> None:
+        """Refuse options the given ``plan`` contradicts: its step costs count the
+        microbatches of the options it was made with."""
+        made = plan.options.get("microbatches", 1)
+        if made != self.microbatches:
+            raise KareusOptionError(
+                f"kareus options: microbatches={self.microbatches!r} and plan={self.plan!r}, "
+                f"made with microbatches={made!r}, contradict: its step costs count {made!r} "
+                f"passes a step; give microbatches={made!r}, or make a new plan"
             )
 
     @property
@@ -292,6 +315,8 @@ def _directory_problem(value: object) -> str | None:
         return None
     if not isinstance(value, str):
         return "not a string"
+    if "\0" in value:
+        return "holds a NUL byte, which no path can"
     return None if value.strip() else "empty"
 
 

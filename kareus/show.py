@@ -96,15 +96,12 @@ def _default_png(path: Path) -> Path:
 
 
 def _read_plan(path: Path) -> Plan:
-    """The plan in ``path``; a ``ShowError`` saying what else show takes if it is none."""
+    """The plan in ``path``, read and checked as the ``plan`` option reads it; a
+    ``ShowError`` with the loader's one line (the file and the field) if it is none."""
     try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ShowError(f"{path}: cannot read it as a plan ({exc}); {_TAKES}") from exc
-    try:
-        return Plan.from_json(text, str(path))
+        return Plan.load(path)
     except PlanError as exc:
-        raise ShowError(f"{exc}; {_TAKES}") from exc
+        raise ShowError(str(exc)) from exc
 
 
 def _check_store(path: Path) -> None:

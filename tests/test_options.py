@@ -65,6 +65,32 @@ def test_custom_gpu_file_is_a_device(tmp_path):
         ({"cache_dir": ""}, "kareus option 'cache_dir': got '' (str); empty"),
         ({"cache_dir": 3}, "kareus option 'cache_dir': got 3 (int); not a string"),
         (
+            {"cache_dir": "/tmp/a\0b"},
+            ("kareus option 'cache_dir': got '/tmp/a\\x00b' (str); holds a NUL byte, which no "
+            "path can; accepted: None | a directory path"),
+        ),
+        (
+            {"plan": "p\0.json"},
+            "kareus option 'plan': got 'p\\x00.json' (str); holds a NUL byte",
+        ),
+        ({"energy_budget": "-5 J"}, "kareus option 'energy_budget': got '-5 J'; must be positive"),
+        ({"energy_budget": "0 J"}, "kareus option 'energy_budget': got '0 J'; must be positive"),
+        ({"energy_budget": "1e400 J"}, "kareus option 'energy_budget': got '1e400 J'; not finite"),
+        (
+            {"time_budget": "1.1"},
+            ("kareus option 'time_budget': got '1.1'; a fraction is a number (1.1, not a "
+            'string); an amount needs a unit ("1.1 s")'),
+        ),
+        (
+            {"plan": "p.json", "nanobatches": 4},
+            ("kareus options: nanobatches=4 and plan='p.json' contradict: the plan says each "
+            "graph's nanobatch count, variant and clock; give one"),
+        ),
+        (
+            {"plan": "p.json", "energy_budget": 0.9},
+            "kareus options: a budget needs a plan, and none is made with plan='p.json'",
+        ),
+        (
             {"lowering": "aot_eager"},
             "kareus option 'lowering': got 'aot_eager' (str); accepted: 'inductor' | 'eager'",
         ),
@@ -119,3 +145,10 @@ def test_options_built_directly_are_checked_too(kwargs, message):
     with pytest.raises(KareusOptionError, match=message) as info:
         KareusOptions(**kwargs)
     assert isinstance(info.value, KareusError)
+
+
+def test_a_plan_beside_what_it_would_override_is_refused():
+    assert KareusOptions(plan="p.json", nanobatches=1).plan == "p.json"
+    with pytest.raises(KareusOptionError, match="a chooser or clock_mhz given in code and "
+                       "plan='p.json' contradict"):
+        KareusOptions(plan="p.json").check_planning(policy_in_code=True)

@@ -9,10 +9,11 @@ import pytest
 from rich.console import Console
 
 from kareus import KareusError
+from kareus.cli import main
 from kareus.devices.base import Measurement
 from kareus.passes.decide import Choice
 from kareus.planner.budget import Budget
-from kareus.planner.plan import GraphPlan, Plan, StepCost
+from kareus.planner.plan import GraphPlan, Plan, PlanError, StepCost
 from kareus.profiler.store import FILENAME, Knobs, ProfileKey, ProfileStore
 from kareus.show import ShowError, show
 
@@ -167,8 +168,30 @@ def test_json_that_is_not_a_plan(tmp_path):
 def test_binary_file_that_is_neither(tmp_path):
     path = tmp_path / "blob.bin"
     path.write_bytes(b"\xff\xfe\x00garbage")
-    with pytest.raises(ShowError, match="cannot read it as a plan"):
+    with pytest.raises(ShowError) as info:
         show(path, console=console())
+    assert str(info.value) == (f"{path}: not a kareus plan: not UTF-8 text (byte 0 is "
+                               "b'\\xff'; a binary file?)")
+
+
+def test_a_plan_with_a_bad_field_is_named_as_the_plan_option_names_it(tmp_path, capsys):
+    """show reads a plan as the ``plan`` option does: the loader's one line, the file and
+    the field; the command line prints it as one line and exits 2."""
+    raw = json.loads(make_plan().to_json())
+    raw["graphs"][1]["label"] = 7
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(PlanError) as loaded:
+        Plan.load(path)
+    with pytest.raises(ShowError) as shown:
+        show(path, console=console())
+    assert str(shown.value) == str(loaded.value) == (
+        f"{path}: graphs[1].label: 7 is not a non-empty string"
+    )
+    assert not (tmp_path / "plan.png").exists()
+    assert main(["show", str(path)]) == 2
+    printed = " ".join(capsys.readouterr().out.split())  # however the console wraps it
+    assert "graphs[1].label: 7 is not a non-empty string" in printed
 
 
 def test_directory_without_a_store_creates_none(tmp_path):

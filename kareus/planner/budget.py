@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from kareus.errors import KareusError
 from kareus.planner.compose import StepPoint
@@ -29,7 +30,7 @@ _UNITS = {
     "time": {"s": 1.0, "ms": 1e-3, "min": 60.0},
 }
 _EXAMPLE = {"energy": '"350 J"', "time": '"1.2 s"'}
-_AMOUNT = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]+)\s*")
+_AMOUNT = re.compile(r"\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]*)\s*")
 
 
 @dataclass(frozen=True)
@@ -76,17 +77,40 @@ class Budget:
         units = _UNITS[kind]
         accepted = (f"a fraction of the baseline's {kind} (e.g. 0.9) or an amount per step "
                     f"with a unit ({', '.join(units)}; e.g. {_EXAMPLE[kind]})")
-        if isinstance(given, bool):
-            raise BudgetError(f"{name}: got {given!r}; accepted: {accepted}")
-        if isinstance(given, (int, float)):
-            if not (math.isfinite(given) and given > 0):
-                raise BudgetError(f"{name}: got {given!r}; must be > 0; accepted: {accepted}")
-            return cls(kind, fraction=float(given))
-        match = _AMOUNT.fullmatch(str(given))
-        unit = match.group(2) if match else None
-        if match is None or unit not in units or float(match.group(1)) <= 0:
-            raise BudgetError(f"{name}: got {given!r}; accepted: {accepted}")
-        return cls(kind, value=float(match.group(1)) * units[unit])
+
+        def refuse(why: str = "") -> BudgetError:
+            return BudgetError(f"{name}: got {given!r}; {why + '; ' if why else ''}"
+                               f"accepted: {accepted}")
+
+        if isinstance(given, bool) or not isinstance(given, (int, float, str)):
+            raise refuse()
+        match = _AMOUNT.fullmatch(given) if isinstance(given, str) else None
+        if isinstance(given, str) and (match is None or match.group(2) not in ("", *units)):
+            raise refuse()
+        try:
+            number = float(match.group(1) if match else given)
+        except OverflowError:  # an integer too large for a float
+            number = math.inf
+        if not math.isfinite(number):
+            raise refuse("not finite")
+        if number <= 0:
+            raise refuse("must be positive")
+        if match is None:
+            return cls(kind, fraction=number)
+        if not match.group(2):
+            raise refuse(f"a fraction is a number ({match.group(1)}, not a string); an amount "
+                         f'needs a unit ("{match.group(1)} {next(iter(units))}")')
+        return cls(kind, value=number * units[match.group(2)])
+
+
+class Cost(Protocol):
+    """A step's time and energy: a frontier point, or a plan's record of one."""
+
+    @property
+    def time_s(self) -> float: ...
+
+    @property
+    def energy_j(self) -> float: ...
 
 
 def choose(
@@ -101,30 +125,59 @@ def choose(
     if budget.kind == "tradeoff":
         eta = budget.value
         return min(frontier, key=lambda p: eta * p.energy_j + (1 - eta) * max_power_w * p.time_s)
+    limit = _limit(budget, baseline)
     if budget.kind == "energy":
-        limit = budget.value if budget.value is not None else budget.fraction * baseline.energy_j
         fits = [p for p in frontier if p.energy_j <= limit]
         if fits:
             return min(fits, key=lambda p: (p.time_s, p.energy_j))
     else:
-        limit = budget.value if budget.value is not None else budget.fraction * baseline.time_s
         fits = [p for p in frontier if p.time_s <= limit]
         if fits:
             return min(fits, key=lambda p: (p.energy_j, p.time_s))
     raise BudgetError(_unmet(frontier, baseline, budget, limit))
 
 
-def _unmet(frontier: Sequence[StepPoint], baseline: StepPoint, budget: Budget, limit: float) -> str:
+def constrains_nothing(frontier: Sequence[Cost], baseline: Cost, budget: Budget) -> str | None:
+    """Why an energy or time ``budget`` changes nothing, or None: every point of the
+    step's ``frontier`` meets it (legitimate, a fraction above 1 lets a faster plan spend
+    more, but a bound nothing reaches is likely a slip, such as 50 for 0.50)."""
+    if budget.kind not in ("energy", "time") or not frontier:
+        return None
+    measure, unit = _bounded(budget)
+    limit, high = _limit(budget, baseline), max(map(measure, frontier))
+    if high > limit:
+        return None
+    runs = ("the fastest plan runs, as without a budget" if budget.kind == "energy"
+            else "the least-energy plan runs, whatever its time")
+    return (f"the {budget.kind} budget {_asked(budget, baseline, limit)} per step constrains "
+            f"nothing: every plan meets it (the most any takes is {high:.4g} {unit}); {runs}")
+
+
+def _bounded(budget: Budget) -> tuple[Callable[[Cost], float], str]:
+    """What an energy or time budget bounds, and its unit."""
     if budget.kind == "energy":
-        low, high = min(p.energy_j for p in frontier), max(p.energy_j for p in frontier)
-        base, unit = baseline.energy_j, "J"
-    else:
-        low, high = min(p.time_s for p in frontier), max(p.time_s for p in frontier)
-        base, unit = baseline.time_s, "s"
-    asked = (f"{budget.fraction:g} of the baseline's {base:.4g} {unit} = {limit:.4g} {unit}"
-             if budget.fraction is not None else f"{limit:.4g} {unit}")
+        return (lambda c: c.energy_j), "J"
+    return (lambda c: c.time_s), "s"
+
+
+def _limit(budget: Budget, baseline: Cost) -> float:
+    """What an energy (J) or time (s) budget allows per step."""
+    measure, _ = _bounded(budget)
+    return budget.value if budget.value is not None else budget.fraction * measure(baseline)
+
+
+def _asked(budget: Budget, baseline: Cost, limit: float) -> str:
+    measure, unit = _bounded(budget)
+    return (f"{budget.fraction:g} of the baseline's {measure(baseline):.4g} {unit} = "
+            f"{limit:.4g} {unit}" if budget.fraction is not None else f"{limit:.4g} {unit}")
+
+
+def _unmet(frontier: Sequence[StepPoint], baseline: StepPoint, budget: Budget, limit: float) -> str:
+    measure, unit = _bounded(budget)
+    low, high = min(map(measure, frontier)), max(map(measure, frontier))
+    base = measure(baseline)
     return (
-        f"no plan meets the {budget.kind} budget {asked} per step: the plans reach "
-        f"{low:.4g} to {high:.4g} {unit} ({low / base:.3g} to {high / base:.3g} of the "
-        "baseline)"
+        f"no plan meets the {budget.kind} budget {_asked(budget, baseline, limit)} per step: "
+        f"the plans reach {low:.4g} to {high:.4g} {unit} ({low / base:.3g} to "
+        f"{high / base:.3g} of the baseline)"
     )

@@ -13,7 +13,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+import math
+import reprlib
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,8 @@ from typing import Any
 from kareus.devices.base import Device
 from kareus.errors import KareusError
 from kareus.passes.decide import Choice
+from kareus.passes.ops import DEFAULT_CLOCK_MHZ
+from kareus.passes.variants import NANOBATCH_COUNTS, VariantError, VariantSpace
 from kareus.planner.budget import Budget, choose
 from kareus.planner.compose import StepPoint, clock_of, step_frontier
 from kareus.planner.graph import GraphFrontier
@@ -29,7 +33,7 @@ PLAN_SCHEMA = 2  # 2: a graph's choice is one record, the default clock spelled 
 
 
 class PlanError(KareusError, ValueError):
-    """A plan file that cannot be read, or that was made for other graphs."""
+    """A plan file that cannot be read, or that was made for other graphs or another device."""
 
 
 @dataclass(frozen=True)
@@ -118,36 +122,206 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str, source: str = "plan") -> Plan:
+        """The plan ``text`` holds, checked field by field (``source`` names it in errors):
+        a ``PlanError`` naming the source and the field where it is none."""
         try:
             raw = json.loads(text)
-            if raw.get("schema") != PLAN_SCHEMA:
-                raise PlanError(
-                    f"{source}: plan schema {raw.get('schema')!r}, made by another kareus "
-                    f"(this one reads schema {PLAN_SCHEMA}); make a new plan: run without "
-                    "the plan option, with the same options, and use the plan it stores"
-                )
-            return cls(
-                graphs=tuple(GraphPlan.from_dict(g) for g in raw["graphs"]),
-                predicted=StepCost(**raw["predicted"]),
-                baseline=StepCost(**raw["baseline"]),
-                frontier=tuple(StepCost(**p) for p in raw["frontier"]),
-                frequency_only=tuple(StepCost(**p) for p in raw["frequency_only"]),
-                budget=Budget(**raw["budget"]),
-                **{k: raw[k] for k in ("device", "model_version", "static_power_w", "options",
-                                       "kareus_version", "schema")},
-            )
-        except PlanError:
-            raise
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise PlanError(f"{source}: not a kareus plan ({type(exc).__name__}: {exc})") from exc
+        except (ValueError, RecursionError) as exc:  # ValueError: JSONDecodeError, huge ints
+            raise PlanError(f"{source}: not a kareus plan: not JSON ({exc})") from exc
+        _check_plan(raw, source)
+        return cls(
+            graphs=tuple(GraphPlan.from_dict(g) for g in raw["graphs"]),
+            predicted=StepCost(**raw["predicted"]),
+            baseline=StepCost(**raw["baseline"]),
+            frontier=tuple(StepCost(**p) for p in raw["frontier"]),
+            frequency_only=tuple(StepCost(**p) for p in raw["frequency_only"]),
+            budget=Budget(**raw["budget"]),
+            **{k: raw[k] for k in ("device", "model_version", "static_power_w", "options",
+                                   "kareus_version", "schema")},
+        )
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
         try:
-            text = Path(path).read_text()
-        except OSError as exc:
+            data = Path(path).read_bytes()
+        except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
             raise PlanError(f"cannot read the plan {path}: {exc}") from exc
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise PlanError(
+                f"{path}: not a kareus plan: not UTF-8 text (byte {exc.start} is "
+                f"{data[exc.start:exc.start + 1]!r}; a binary file?)"
+            ) from exc
         return cls.from_json(text, str(path))
+
+    def check_device(self, device: Device, source: str) -> None:
+        """Refuse to run on another device, or another model of it, than the plan was made
+        on: its choices and predicted costs hold only there (re-costing them needs the
+        profiles the plan was made from)."""
+        if (self.device, self.model_version) != (device.identity, device.model_version):
+            raise PlanError(
+                f"{source}: the plan was made on {_device_text(self.device, self.model_version)}"
+                f", this is {_device_text(device.identity, device.model_version)}; make a new "
+                "plan on this device (drop the plan option)"
+            )
+
+    def check_choice(self, entry: GraphPlan, space: VariantSpace, device: Device,
+                     source: str) -> None:
+        """Refuse ``entry``'s choice where it is no point of its graph's ``space`` or its
+        clock one ``device`` does not support, naming ``source``, the graph and the field."""
+        where = f"{source}: graphs[{self.graphs.index(entry)}] ({entry.label}).choice"
+        choice, clocks = entry.choice, device.supported_clocks()
+        if choice.clock_mhz != DEFAULT_CLOCK_MHZ and choice.clock_mhz not in clocks:
+            supported = (f"its {len(clocks)} clocks run from {max(clocks)} down to "
+                         f"{min(clocks)} MHz" if clocks else "it reports none")
+            raise PlanError(
+                f"{where}.clock_mhz: {device.name} does not support {choice.clock_mhz} MHz "
+                f"({supported}; {DEFAULT_CLOCK_MHZ}: the default clocks); make a new plan "
+                "(drop the plan option)"
+            )
+        if choice.variant is None:
+            return
+        try:
+            space.check(choice.variant)
+        except VariantError as exc:
+            field = "nanobatches" if choice.nanobatches not in space.nanobatches else "partitions"
+            raise PlanError(
+                f"{where}.{field}: not a variant of this graph: {exc}; make a new plan (drop "
+                "the plan option)"
+            ) from exc
+
+
+def _device_text(identity: str, model_version: str | None) -> str:
+    return identity + (f" (model {model_version})" if model_version else "")
+
+
+# -- checking a plan file field by field ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Rule:
+    """What one field accepts: ``test`` on its JSON value, and that in words."""
+
+    test: Callable[[object], bool]
+    accepted: str
+
+
+def _integer(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _finite(value: object) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer too large for a float
+        return False
+
+
+_TEXT = _Rule(lambda v: isinstance(v, str) and v != "", "a non-empty string")
+_AMOUNT = _Rule(lambda v: _finite(v) and v >= 0, "a finite number >= 0")
+_POSITIVE = _Rule(lambda v: _finite(v) and v > 0, "a finite number > 0")
+_COST = {"time_s": _AMOUNT, "energy_j": _AMOUNT}
+
+_GRAPH = {
+    "label": _TEXT,
+    "graph_hash": _TEXT,
+    "choice": {
+        "nanobatches": _Rule(lambda v: _integer(v) and v in NANOBATCH_COUNTS,
+                             f"a nanobatch count (one of {', '.join(map(str, NANOBATCH_COUNTS))})"),
+        "clock_mhz": _Rule(lambda v: _integer(v) and v >= 0, "a clock (an integer >= 0; "
+                           f"{DEFAULT_CLOCK_MHZ}: the default clocks)"),
+        # [launch slot, SMs] per partition
+        "partitions": [(_Rule(lambda v: _integer(v) and v >= 0, "a launch slot (an integer >= 0)"),
+                        _Rule(lambda v: v is None or (_integer(v) and v >= 1),
+                              "a number of SMs (an integer >= 1; null: the library's default)"))],
+    },
+    "time_s": _AMOUNT,
+    "effective_energy_j": _AMOUNT,
+}
+_BUDGET = {
+    "kind": _Rule(lambda v: v in ("fastest", "energy", "time", "tradeoff"),
+                  'one of "fastest", "energy", "time", "tradeoff"'),
+    "value": _Rule(lambda v: v is None or (_finite(v) and v >= 0),
+                   "a finite number >= 0 (J, s or eta) or null"),
+    "fraction": _Rule(lambda v: v is None or (_finite(v) and v > 0),
+                      "a finite number > 0 (of the baseline's) or null"),
+}
+_PLAN = {  # "schema" is checked first: another schema's fields are another's
+    "graphs": [_GRAPH],
+    "predicted": _COST,
+    "baseline": {"time_s": _POSITIVE, "energy_j": _POSITIVE},  # budgets are fractions of it
+    "frontier": [_COST],
+    "frequency_only": [_COST],
+    "budget": _BUDGET,
+    "device": _TEXT,
+    "model_version": _Rule(lambda v: v is None or _TEXT.test(v), "a non-empty string or null"),
+    "static_power_w": _AMOUNT,
+    "options": _Rule(lambda v: isinstance(v, dict), "a JSON object"),
+    "kareus_version": _TEXT,
+}
+assert all(set(fields) == {f.name for f in dataclasses.fields(record)} for record, fields in (
+    (Plan, {*_PLAN, "schema"}), (GraphPlan, _GRAPH), (Choice, _GRAPH["choice"]),
+    (StepCost, _COST), (Budget, _BUDGET),
+)), "every field of a plan needs a rule"
+_BUDGET_FORMS = {  # kind -> which of (value, fraction) it gives
+    "fastest": ((False, False),), "tradeoff": ((True, False),),
+    "energy": ((True, False), (False, True)), "time": ((True, False), (False, True)),
+}
+
+_Spec = _Rule | dict[str, "_Spec"] | list["_Spec"] | tuple["_Spec", ...]
+"""A rule; a JSON object of exactly these fields; a list of any length, each item the
+one spec; a list of exactly these items (a tuple)."""
+
+
+def _check_plan(raw: object, source: str) -> None:
+    """Refuse a plan's JSON that is not what ``Plan.to_json`` writes, naming the field."""
+    if not isinstance(raw, dict) or "schema" not in raw:
+        raise PlanError(f"{source}: not a kareus plan (no schema field in {reprlib.repr(raw)})")
+    if not _integer(raw["schema"]) or raw["schema"] != PLAN_SCHEMA:
+        raise PlanError(
+            f"{source}: plan schema {raw['schema']!r}, made by another kareus (this one reads "
+            f"schema {PLAN_SCHEMA}); make a new plan: run without the plan option, with the "
+            "same options, and use the plan it stores"
+        )
+    _check({k: v for k, v in raw.items() if k != "schema"}, _PLAN, "", source)
+    budget = raw["budget"]
+    given = (budget["value"] is not None, budget["fraction"] is not None)
+    if given not in _BUDGET_FORMS[budget["kind"]] or (
+            budget["kind"] == "tradeoff" and budget["value"] > 1):
+        raise PlanError(
+            f"{source}: budget: {reprlib.repr(budget)} is not a budget (fastest: neither a "
+            "value nor a fraction; tradeoff: a value in [0, 1]; energy or time: a value or a "
+            "fraction)"
+        )
+
+
+def _check(value: object, spec: _Spec, path: str, source: str) -> None:
+    def refuse(what: str) -> PlanError:
+        return PlanError(f"{source}: {path + ': ' if path else ''}{what}")
+
+    if isinstance(spec, _Rule):
+        if not spec.test(value):
+            raise refuse(f"{reprlib.repr(value)} is not {spec.accepted}")
+    elif isinstance(spec, dict):
+        if not isinstance(value, dict):
+            raise refuse(f"{reprlib.repr(value)} is not a JSON object")
+        missing = [k for k in spec if k not in value]
+        unknown = sorted(str(k) for k in value if k not in spec)
+        if missing or unknown:
+            raise refuse("; ".join(
+                f"{what} field{'s' if len(names) > 1 else ''} {', '.join(names)}"
+                for what, names in (("missing", missing), ("unknown", unknown)) if names))
+        for key, rule in spec.items():
+            _check(value[key], rule, f"{path}.{key}" if path else key, source)
+    elif not isinstance(value, list) or (isinstance(spec, tuple) and len(value) != len(spec)):
+        raise refuse(f"{reprlib.repr(value)} is not a list"
+                     + (f" of {len(spec)}" if isinstance(spec, tuple) else ""))
+    else:
+        for i, item in enumerate(value):
+            _check(item, spec[i] if isinstance(spec, tuple) else spec[0], f"{path}[{i}]", source)
 
 
 def make_plan(

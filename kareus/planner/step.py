@@ -24,7 +24,7 @@ from typing import Any
 from kareus.devices.base import Device
 from kareus.passes.analyse import GraphAnalysis
 from kareus.passes.decide import Choice
-from kareus.planner.budget import Budget, BudgetError
+from kareus.planner.budget import Budget, BudgetError, constrains_nothing
 from kareus.planner.graph import GraphCost, GraphFrontier, graph_frontier
 from kareus.planner.plan import Plan, PlanError, make_plan
 from kareus.profiler.profile import PartitionProfile
@@ -76,6 +76,7 @@ class StepPlanner:
         self._stored: Plan | None = None
         self._graphs: dict[str, _Graph] = {}
         if given is not None:
+            given.check_device(device, self._given_source)
             publish(given)
 
     def graph_counts(self, analysis: GraphAnalysis) -> tuple[int, ...]:
@@ -105,14 +106,23 @@ class StepPlanner:
         choice, source = self.initial_choice(frontier, analysis.kind)
         return choice, f"planned: {choice} ({source})"
 
+    @property
+    def _given_source(self) -> str:
+        """What names the given plan in messages: its path."""
+        return str(self.options.get("plan"))
+
     def given_choice(self, analysis: GraphAnalysis) -> tuple[Choice | None, str]:
         """The given plan's choice for this graph (a ``PlanError`` where it was made for
-        another graph of its kind)."""
+        another graph of its kind, or is no variant of it at a clock of the device)."""
         assert self.plan is not None
-        entry = self.plan.match(analysis.label, analysis.key, analysis.kind)
-        source = self.options.get("plan")
+        source = self._given_source
+        try:
+            entry = self.plan.match(analysis.label, analysis.key, analysis.kind)
+        except PlanError as exc:  # it names the graphs; the file too
+            raise PlanError(f"{source}: {exc}") from exc
         if entry is None:
             return None, f"not in the plan {source}: runs as the options say"
+        self.plan.check_choice(entry, analysis.space, self.device, source)
         return entry.choice, f"choice from the plan {source}"
 
     def _frontier(
@@ -145,6 +155,9 @@ class StepPlanner:
                         verdict.reason)
             return
         self.adopt(plan)
+        idle = constrains_nothing(plan.frontier, plan.baseline, plan.budget)
+        if idle:
+            log.warning("%s", idle)
         log.info(
             "kareus plan: %.4g s, %.4g J per step and GPU (baseline %.4g s, %.4g J); %s",
             plan.predicted.time_s, plan.predicted.energy_j, plan.baseline.time_s,

@@ -3,7 +3,7 @@
 import pytest
 
 from kareus.errors import KareusError
-from kareus.planner.budget import Budget, BudgetError, choose
+from kareus.planner.budget import Budget, BudgetError, choose, constrains_nothing
 from kareus.planner.compose import StepPoint
 
 FRONTIER = [StepPoint(1.0, 400.0, 300.0, ("a",)), StepPoint(1.2, 340.0, 220.0, ("b",)),
@@ -40,11 +40,21 @@ def test_every_budget_form(budget, chosen):
     [
         ({"energy_budget": 0.5, "time_budget": 1.0}, ("give one budget, not energy_budget and "
          "time_budget")),
-        ({"energy_budget": "350"}, ("energy_budget: got '350'; accepted: a fraction of the "
+        ({"energy_budget": "350"}, ("energy_budget: got '350'; a fraction is a number (350, "
+         'not a string); an amount needs a unit ("350 J"); accepted: a fraction of the '
          "baseline's energy (e.g. 0.9) or an amount per step with a unit (J, kJ, mJ, Wh")),
+        ({"time_budget": "1.1"}, ("time_budget: got '1.1'; a fraction is a number (1.1, not a "
+         'string); an amount needs a unit ("1.1 s"); accepted:')),
+        ({"energy_budget": "-5 J"}, "energy_budget: got '-5 J'; must be positive; accepted:"),
+        ({"energy_budget": "0 J"}, "energy_budget: got '0 J'; must be positive; accepted:"),
+        ({"energy_budget": "1e400 J"}, "energy_budget: got '1e400 J'; not finite; accepted:"),
+        ({"energy_budget": float("inf")}, "energy_budget: got inf; not finite; accepted:"),
+        ({"energy_budget": 10**400}, "; not finite; accepted:"),  # too large for a float
+        ({"energy_budget": 0}, "energy_budget: got 0; must be positive; accepted:"),
+        ({"energy_budget": [1]}, "energy_budget: got [1]; accepted:"),
         ({"energy_budget": "350 W"}, "energy_budget: got '350 W'"),
         ({"energy_budget": "350 MJ"}, "energy_budget: got '350 MJ'"),
-        ({"time_budget": -1.0}, "time_budget: got -1.0; must be > 0"),
+        ({"time_budget": -1.0}, "time_budget: got -1.0; must be positive"),
         ({"time_budget": True}, "time_budget: got True"),
         ({"time_budget": "1.2 J"}, ("time_budget: got '1.2 J'; accepted: a fraction of the "
          "baseline's time (e.g. 0.9) or an amount per step with a unit (s, ms, min; e.g. "
@@ -71,3 +81,24 @@ def test_a_budget_no_plan_meets_states_the_range():
         pick(time_budget="900 ms")
     with pytest.raises(BudgetError, match="the step's frontier is empty"):
         choose([], BASELINE, Budget.parse())
+
+
+@pytest.mark.parametrize("budget, says", [
+    ({"energy_budget": 50}, ("the energy budget 50 of the baseline's 420 J = 2.1e+04 J per step "
+     "constrains nothing: every plan meets it (the most any takes is 400 J); the fastest plan "
+     "runs, as without a budget")),
+    ({"energy_budget": "400 J"}, "the energy budget 400 J per step constrains nothing"),
+    ({"time_budget": 1.4}, ("the time budget 1.4 of the baseline's 1.1 s = 1.54 s per step "
+     "constrains nothing: every plan meets it (the most any takes is 1.5 s); the least-energy "
+     "plan runs, whatever its time")),
+    ({"energy_budget": 0.96}, "the energy budget 0.96 of the baseline's 420 J = 403.2 J"),
+    ({"energy_budget": 0.9}, None),  # 378 J: the fastest plan's 400 J is over it
+    ({"time_budget": "1.25 s"}, None),
+    ({"energy_time_tradeoff": 1.0}, None),
+    ({}, None),
+])
+def test_a_budget_every_plan_meets_is_said_to_change_nothing(budget, says):
+    """Accepted (a fraction above 1 is legitimate: a faster plan may spend more than the
+    baseline), but a bound no plan reaches is likely a slip; the planner logs it."""
+    note = constrains_nothing(FRONTIER, BASELINE, Budget.parse(**budget))
+    assert note is None if says is None else note.startswith(says)

@@ -1,16 +1,23 @@
-"""The plan: made from graph frontiers under a budget, written as JSON, read back, matched."""
+"""The plan: made from graph frontiers under a budget, written as JSON, read back and checked
+field by field, matched, checked against the graph, the device and the options it runs with."""
 
+import dataclasses
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from kareus.devices import SimulatedGPU
+from kareus.options import KareusOptionError, KareusOptions
 from kareus.passes.decide import Choice
+from kareus.passes.reasons import Reason, ReasonKind
+from kareus.passes.variants import PartitionChoices, VariantSpace
 from kareus.planner.budget import Budget, BudgetError
 from kareus.planner.compose import FrontierPoint
 from kareus.planner.graph import GraphFrontier
 from kareus.planner.plan import Plan, PlanError, make_plan
+from kareus.planner.step import StepPlanner
 
 
 def _graph(label, key, points):
@@ -77,18 +84,93 @@ def test_an_unmet_budget_states_the_range(gpu):
 
 
 @pytest.mark.parametrize("text, match", [
-    ("{", "not a kareus plan"),
+    ("{", r"^plan.json: not a kareus plan: not JSON \(Expecting property name"),
+    ("[" * 100_000, "^plan.json: not a kareus plan: not JSON"),  # nested too deeply
+    ("[1, 2]", r"^plan.json: not a kareus plan \(no schema field in \[1, 2\]\)$"),
+    ('{"x": 1}', r"^plan.json: not a kareus plan \(no schema field in \{'x': 1\}\)$"),
     ('{"schema": 99}', "plan schema 99, made by another kareus .this one reads schema 2"),
-    ('{"schema": 2, "graphs": []}', "not a kareus plan"),
-    ('{"schema": 2, "graphs": [{"choice": 3}]}', "not a kareus plan .TypeError"),
+    ('{"schema": true}', "plan schema True, made by another kareus"),
+    ('{"schema": 2, "graphs": []}', ("^plan.json: missing fields predicted, baseline, .*, "
+     "kareus_version$")),
 ])
-def test_a_damaged_plan_file_is_refused(tmp_path, text, match):
+def test_a_damaged_plan_file_is_refused_in_one_line(tmp_path, text, match):
     path = tmp_path / "plan.json"
     path.write_text(text)
-    with pytest.raises(PlanError, match=match):
+    with pytest.raises(PlanError, match=match) as info:
+        Plan.from_json(text, "plan.json")
+    assert "\n" not in str(info.value)
+    with pytest.raises(PlanError, match=str(path)):
         Plan.load(path)
     with pytest.raises(PlanError, match="cannot read the plan"):
         Plan.load(tmp_path / "missing.json")
+    with pytest.raises(PlanError, match="cannot read the plan"):
+        Plan.load(f"{tmp_path}/a\0b.json")  # a NUL byte: no path
+
+
+def test_a_binary_file_is_refused_in_one_line(tmp_path):
+    path = tmp_path / "plan.json"
+    path.write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff")
+    with pytest.raises(PlanError) as info:
+        Plan.load(path)
+    assert str(info.value) == (f"{path}: not a kareus plan: not UTF-8 text (byte 0 is "
+                               "b'\\x89'; a binary file?)")
+
+
+DELETE = object()
+
+
+@pytest.mark.parametrize("field, value, message", [
+    (("graphs", 0, "label"), 7, "graphs[0].label: 7 is not a non-empty string"),
+    (("graphs", 1, "graph_hash"), None, "graphs[1].graph_hash: None is not a non-empty string"),
+    (("graphs", 1, "choice", "clock_mhz"), -5,
+     "graphs[1].choice.clock_mhz: -5 is not a clock (an integer >= 0; 0: the default clocks)"),
+    (("graphs", 1, "choice", "clock_mhz"), 1410.5, "graphs[1].choice.clock_mhz: 1410.5 is not"),
+    (("graphs", 0, "choice", "nanobatches"), 3,
+     "graphs[0].choice.nanobatches: 3 is not a nanobatch count (one of 1, 2, 4)"),
+    (("graphs", 0, "choice", "nanobatches"), True, "graphs[0].choice.nanobatches: True is not"),
+    (("graphs", 1, "choice", "partitions"), [[-1, None]],
+     "graphs[1].choice.partitions[0][0]: -1 is not a launch slot (an integer >= 0)"),
+    (("graphs", 1, "choice", "partitions"), [[0, 0]],
+     "graphs[1].choice.partitions[0][1]: 0 is not a number of SMs (an integer >= 1; null: "),
+    (("graphs", 1, "choice", "partitions"), [[0]],
+     "graphs[1].choice.partitions[0]: [0] is not a list of 2"),
+    (("graphs", 1, "choice", "partitions"), "0,8", "graphs[1].choice.partitions: '0,8' is not a"),
+    (("graphs", 0, "time_s"), float("nan"), "graphs[0].time_s: nan is not a finite number >= 0"),
+    (("graphs", 0, "effective_energy_j"), "1 J", "graphs[0].effective_energy_j: '1 J' is not"),
+    (("graphs", 0, "extra"), 1, "graphs[0]: unknown field extra"),
+    (("graphs", 0, "choice", "clock_mhz"), DELETE, "graphs[0].choice: missing field clock_mhz"),
+    (("graphs",), {}, "graphs: {} is not a list"),
+    (("predicted", "energy_j"), -1.0, "predicted.energy_j: -1.0 is not a finite number >= 0"),
+    (("baseline", "time_s"), 0, "baseline.time_s: 0 is not a finite number > 0"),
+    (("frontier", 0), 3, "frontier[0]: 3 is not a JSON object"),
+    (("frequency_only", 0, "time_s"), float("inf"), "frequency_only[0].time_s: inf is not"),
+    (("budget", "kind"), "speed", 'budget.kind: \'speed\' is not one of "fastest", "energy"'),
+    (("budget", "fraction"), None, ("budget: {'fraction': None, 'kind': 'time', 'value': None} is "
+     "not a budget (fastest: neither a value nor a fraction")),
+    (("device",), None, "device: None is not a non-empty string"),
+    (("model_version",), 2, "model_version: 2 is not a non-empty string or null"),
+    (("static_power_w",), "90 W", "static_power_w: '90 W' is not a finite number >= 0"),
+    (("options",), [], "options: [] is not a JSON object"),
+    (("kareus_version",), 1, "kareus_version: 1 is not a non-empty string"),
+    (("device",), DELETE, "missing field device"),
+])
+def test_every_field_is_checked_and_named(gpu, tmp_path, field, value, message):
+    raw = json.loads(make_plan([FORWARD, BACKWARD], Budget.parse(time_budget=1.2), gpu,
+                               {"nanobatches": "auto"}, "0.1.0").to_json())
+    *parents, last = field
+    record = raw
+    for key in parents:
+        record = record[key]
+    if value is DELETE:
+        del record[last]
+    else:
+        record[last] = value
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(PlanError) as info:
+        Plan.load(path)
+    assert str(info.value).startswith(f"{path}: {message}")
+    assert "\n" not in str(info.value)
 
 
 def test_a_plan_written_before_choices_were_one_record_is_refused_with_what_to_do():
@@ -99,3 +181,103 @@ def test_a_plan_written_before_choices_were_one_record_is_refused_with_what_to_d
     with pytest.raises(PlanError, match="plan schema 1, made by another kareus .* make a new "
                        "plan: run without the plan option"):
         Plan.load(path)
+
+
+SPACE = VariantSpace(  # the backward's: k = 2 with one partition of 3 slots, k = 4 infeasible
+    nanobatches=(1, 2),
+    infeasible={4: Reason(ReasonKind.NOT_DIVISIBLE, None, "batch 6 is not divisible by 4")},
+    choices={2: (PartitionChoices(0, "p0", "all_reduce_1", "tp", 3, (None, 8, 16)),)},
+)
+
+
+def _with_choice(plan, choice):
+    """``plan`` with its backward's choice replaced, and that entry."""
+    entry = dataclasses.replace(plan.graphs[1], choice=choice)
+    return dataclasses.replace(plan, graphs=(plan.graphs[0], entry)), entry
+
+
+@pytest.mark.parametrize("choice, message", [
+    (Choice(2, 1410, ((999, None),)), ("graphs[1] (r0/backward).choice.partitions: not a variant "
+     "of this graph: partition 0: slot 999 outside 0..2; make a new plan")),
+    (Choice(2, 1410, ((0, 7),)), ("graphs[1] (r0/backward).choice.partitions: not a variant of "
+     "this graph: partition 0: resources 7 outside its choices (None, 8, 16)")),
+    (Choice(2, 1410, ()), ("graphs[1] (r0/backward).choice.partitions: not a variant of this "
+     "graph: Variant(nanobatches=2, slots=(), resources=()) has 0 slots")),
+    (Choice(4, 1410, ((0, None),)), ("graphs[1] (r0/backward).choice.nanobatches: not a variant of "
+     "this graph: 4 nanobatches do not apply: batch 6 is not divisible by 4")),
+    (Choice(2, 5000, ((0, None),)), ("graphs[1] (r0/backward).choice.clock_mhz: sim:a100-sxm4-40gb "
+     "does not support 5000 MHz (its 81 clocks run from 1410 down to 210 MHz; 0: the default "
+     "clocks); make a new plan (drop the plan option)")),
+    (Choice(1, 1401), ("graphs[1] (r0/backward).choice.clock_mhz: sim:a100-sxm4-40gb does not "
+     "support 1401 MHz")),
+])
+def test_a_choice_outside_the_graph_or_the_device_names_the_plan_graph_and_field(
+    gpu, choice, message
+):
+    plan, entry = _with_choice(make_plan([FORWARD, BACKWARD], Budget("fastest"), gpu, {}, "0.1.0"),
+                               choice)
+    with pytest.raises(PlanError) as info:
+        plan.check_choice(entry, SPACE, gpu, "p.json")
+    assert str(info.value).startswith(f"p.json: {message}")
+
+
+@pytest.mark.parametrize("choice", [Choice(2, 1410, ((2, 16),)), Choice(2, 0, ((0, None),)),
+                                    Choice(1, 210), Choice(1, 0, ((0, None),))])
+def test_a_choice_of_the_graph_at_a_clock_of_the_device_applies(gpu, choice):
+    plan, entry = _with_choice(make_plan([FORWARD, BACKWARD], Budget("fastest"), gpu, {}, "0.1.0"),
+                               choice)
+    plan.check_choice(entry, SPACE, gpu, "p.json")
+
+
+def test_a_plan_for_another_device_or_model_version_is_refused(gpu):
+    plan = make_plan([FORWARD, BACKWARD], Budget("fastest"), gpu, {}, "0.1.0")
+    plan.check_device(gpu, "p.json")
+    with pytest.raises(PlanError) as info:
+        plan.check_device(SimulatedGPU("sim:h200"), "p.json")
+    assert str(info.value) == (
+        "p.json: the plan was made on sim:a100-sxm4-40gb (model sim-gpu-2 sim:a100-sxm4-40gb), "
+        "this is sim:h200 (model sim-gpu-2 sim:h200); make a new plan on this device (drop the "
+        "plan option)"
+    )
+    older = dataclasses.replace(plan, model_version="sim-gpu-1 sim:a100-sxm4-40gb")
+    with pytest.raises(PlanError, match=r"made on sim:a100-sxm4-40gb \(model sim-gpu-1 "
+                       r"sim:a100-sxm4-40gb\), this is sim:a100-sxm4-40gb \(model sim-gpu-2 "):
+        older.check_device(gpu, "p.json")
+
+
+def test_the_step_planner_refuses_a_plan_for_another_device(gpu, tmp_path):
+    plan = make_plan([FORWARD, BACKWARD], Budget("fastest"), gpu, {}, "0.1.0")
+    with pytest.raises(PlanError, match="p.json: the plan was made on sim:a100-sxm4-40gb .*, "
+                       "this is sim:h200"):
+        StepPlanner({"plan": "p.json"}, {}, Budget("fastest"), SimulatedGPU("sim:h200"), "0.1.0",
+                    tmp_path, counts=None, timeout_s=1.0, given=plan)
+
+
+def test_the_step_planner_refuses_a_given_choice_outside_the_graph(gpu, tmp_path):
+    plan, _ = _with_choice(make_plan([FORWARD, BACKWARD], Budget("fastest"), gpu, {}, "0.1.0"),
+                           Choice(2, 1410, ((999, None),)))
+    planner = StepPlanner({"plan": "p.json"}, {}, Budget("fastest"), gpu, "0.1.0", tmp_path,
+                          counts=None, timeout_s=1.0, given=plan)
+    backward = SimpleNamespace(label="r0/backward", key="b" * 16, kind="backward", space=SPACE)
+    with pytest.raises(PlanError, match=r"^p.json: graphs\[1\] \(r0/backward\).choice.partitions:"
+                       " not a variant of this graph: partition 0: slot 999 outside 0..2"):
+        planner.given_choice(backward)
+    forward = SimpleNamespace(label="r0/forward", key="f" * 16, kind="forward", space=SPACE)
+    assert planner.given_choice(forward) == (plan.graphs[0].choice, "choice from the plan p.json")
+    other = SimpleNamespace(label="r0/forward", key="x" * 16, kind="forward", space=SPACE)
+    with pytest.raises(PlanError, match="^p.json: the plan was made for another graph r0/forward"):
+        planner.given_choice(other)
+
+
+def test_options_a_given_plan_contradicts_are_refused(gpu, tmp_path):
+    path = make_plan([FORWARD, BACKWARD], Budget("fastest"), gpu, {"microbatches": 4},
+                     "0.1.0", microbatches=4).save(tmp_path / "p.json")
+    plan = Plan.load(path)
+    KareusOptions(plan=str(path), microbatches=4).check_plan(plan)
+    with pytest.raises(KareusOptionError) as info:
+        KareusOptions(plan=str(path)).check_plan(plan)
+    assert str(info.value) == (
+        f"kareus options: microbatches=1 and plan={str(path)!r}, made with microbatches=4, "
+        "contradict: its step costs count 4 passes a step; give microbatches=4, or make a new "
+        "plan"
+    )

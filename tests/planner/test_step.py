@@ -2,6 +2,7 @@
 under a budget, the forward switching to it at its next call, the stored plan of a second
 run, the ``plan`` option, ``verify``."""
 
+import json
 import logging
 
 import pytest
@@ -137,14 +138,46 @@ def test_the_plan_option_runs_a_saved_plan_and_refuses_one_for_other_graphs(
                        r" hash is \w+, this graph \(r\d+/forward\)'s is \w+"):
         _train({"plan": str(path)}, batch=4)  # other shapes: other graphs
     (tmp_path / "bad.json").write_text('{"schema": 2}')
-    with pytest.raises(kareus.KareusError, match="bad.json: not a kareus plan"):
+    with pytest.raises(kareus.KareusError, match="bad.json: missing fields graphs, predicted"):
         kareus.KareusBackend({"plan": str(tmp_path / "bad.json")})
+    # checked against the device, the options and each graph's space before a graph runs
+    with pytest.raises(Exception, match=r"plan.json: the plan was made on sim:h200 \(model "
+                       r"sim-gpu-2 sim:h200\), this is sim:a100-sxm4-40gb \(model "):
+        _train({"plan": str(path), "device": "sim:a100-sxm4-40gb"})
+    with pytest.raises(kareus.KareusOptionError, match=r"microbatches=2 and plan='.*plan.json', "
+                       "made with microbatches=1, contradict"):
+        kareus.KareusBackend({"plan": str(path), "microbatches": 2})
+    forward = next(r for r in backend.reports() if r.kind == "forward")
+    k = forward.variants.nanobatches[-1]
+    assert k > 1
+    raw = json.loads(path.read_text())
+    i = next(i for i, g in enumerate(raw["graphs"]) if g["graph_hash"] == forward.key)
+    raw["graphs"][i]["choice"] = {"nanobatches": k, "clock_mhz": 0, "partitions": [
+        [999, None] for _ in forward.variants.partitions(k)]}
+    (tmp_path / "edited.json").write_text(json.dumps(raw))
+    with pytest.raises(Exception, match=rf"edited.json: graphs\[{i}\] \(r\d+/forward\)"
+                       r"\.choice\.partitions: not a variant of this graph: partition \d+: slot "
+                       r"999 outside 0\.\.\d+; make a new plan") as info:
+        _train({"plan": str(tmp_path / "edited.json")})
+    assert "chooser" not in str(info.value)
 
 
 def test_a_budget_no_plan_meets_says_what_the_plans_reach(fake_pg, tmp_path):
     with pytest.raises(Exception, match=r"no plan meets the energy budget 0.01 of the "
                        r"baseline's .* J per step: the plans reach .* to .* J"):
         _train({"nanobatches": "auto", "cache_dir": str(tmp_path), "energy_budget": 0.01})
+
+
+def test_a_budget_every_plan_meets_runs_and_is_logged_as_changing_nothing(fake_pg, tmp_path,
+                                                                         caplog):
+    with caplog.at_level(logging.WARNING, logger="kareus"):
+        _, _, backend = _train({"nanobatches": "auto", "cache_dir": str(tmp_path),
+                                "energy_budget": 50}, steps=1)
+    plan = backend.planner.plan
+    assert plan.predicted == plan.frontier[0]  # the fastest, as without a budget
+    assert any(r.getMessage().startswith("the energy budget 50 of the baseline's ")
+               and "constrains nothing: every plan meets it" in r.getMessage()
+               for r in caplog.records)
 
 
 def test_verify_runs_a_wrong_rewrite_unrewritten(fake_pg, tmp_path, monkeypatch, caplog):
