@@ -33,6 +33,7 @@ def _worker(rank, port, out_dir, nanobatches, delay_s, timeout_s):
             options={
                 "nanobatches": nanobatches[rank],
                 "lowering": "eager",
+                "profile": "off",  # the rewrite as asked: nothing planned
                 "agreement_timeout_s": timeout_s,
             },
         )

@@ -66,7 +66,11 @@ def _frontiers(reports):
 def test_a_slow_rank_reaches_the_same_frontiers_and_a_second_run_measures_nothing(tmp_path):
     first = _run(tmp_path, delay_s=(0.0, 2.0), measure_delay_s=(0.0, 0.02))
     (reports0, calls0, _), (reports1, calls1, _) = first
-    assert [(kind, k) for kind, k, _, _ in reports0] == [("forward", 2), ("backward", 2)]
+    # both graphs profiled at 2 nanobatches; the plan, alike on both ranks, runs them split
+    # or keeps one unrewritten where splitting does not pay
+    assert [kind for kind, _, profiles, _ in reports0 if profiles] == ["forward", "backward"]
+    assert [k for _, k, _, _ in reports0] == [k for _, k, _, _ in reports1]
+    assert {k for _, k, _, _ in reports0} <= {1, 2}
     assert _frontiers(reports0) == _frontiers(reports1)
     assert _frontiers(reports0) and all(f for *_, f, _ in _frontiers(reports0))
     assert calls0 == calls1 > 0  # every evaluation measured on both ranks, in lockstep

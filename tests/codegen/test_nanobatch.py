@@ -95,7 +95,8 @@ class AllReduceMLP(torch.nn.Module):
 def _run(model, x, nanobatches, lowering="eager", seed=0, **compile_kwargs):
     """Output, gradients and graph reports of ``model(x)`` compiled by a fresh kareus backend."""
     torch._dynamo.reset()
-    backend = KareusBackend({"nanobatches": nanobatches, "lowering": lowering})
+    # the rewrite as asked, nothing planned (a plan may keep a graph unrewritten)
+    backend = KareusBackend({"nanobatches": nanobatches, "lowering": lowering, "profile": "off"})
     compiled = torch.compile(model, backend=backend, **compile_kwargs)
     torch.manual_seed(seed)
     out = compiled(x)
@@ -201,7 +202,7 @@ def test_resource_caps_need_nccl(fake_pg):
 
 def test_split_inputs_of_the_caller_are_never_written(fake_pg):
     """Token ids in a padded (non-dense) tensor: Inductor must not reinplace into them."""
-    backend = KareusBackend({"nanobatches": 4})
+    backend = KareusBackend({"nanobatches": 4, "profile": "off"})
     tokens = torch.randint(0, 256, (4, 17))[:, :-1]
     before = tokens.clone()
     torch.compile(tp_llama(2), backend=backend)(tokens)
@@ -244,7 +245,7 @@ def test_dynamic_batch_sizes_compile_once_and_say_why_they_are_not_split(fake_pg
     with Inductor), and the report says why the graph runs unrewritten."""
     torch.manual_seed(0)
     model = AllReduceMLP()
-    backend = KareusBackend({"nanobatches": 2, "lowering": "eager"})
+    backend = KareusBackend({"nanobatches": 2, "lowering": "eager", "profile": "off"})
     compiled = torch.compile(model, backend=backend, dynamic=True)
     for batch in (2, 3, 5, 8, 12):
         x = torch.randn(batch, 8)
