@@ -38,21 +38,22 @@ closing a store (or its being collected, or the interpreter exiting with it open
 ``weakref.finalize`` the store owns) checkpoints them into the file with
 ``wal_checkpoint(TRUNCATE)``, whether or not other processes still have it open, so a
 closed store can be copied or moved as that file alone. Only a process killed with the
-store open leaves rows in the ``-wal``; the next store to open and close the file
-checkpoints them.
+store open, or a checkpoint kept from finishing (a lock holder or a long reader elsewhere),
+leaves rows in the ``-wal``; the next store to close the file checkpoints them.
 
 A locked file. A kareus transaction holds the write lock for milliseconds, so a statement
 that waits :data:`LOCK_WAIT_S` for it has found the file held by something else (a
-``BEGIN EXCLUSIVE`` in another program, a stopped process). The store then says so once,
-a warning on the ``kareus`` logger naming the file and the process holding the lock (from
-``/proc/locks``: SQLite does not say), and carries on without waiting: what cannot be
-written is not kept, what cannot be read is not found, so profiling measures instead of
-stalling at every partition, and nothing is planned from a half-used store. A file locked
-while it is being checked at open is not used at all. Skipping rather than stopping keeps
-the ranks of a group in step: only a search's leading rank reads and writes the store, its
-followers measure what it tells them, so whatever the leader's store does, every rank
-measures the same variants and plans from the same frontiers; a leader that stopped would
-leave its followers waiting.
+``BEGIN EXCLUSIVE`` in another program, a stopped process). The store then says so once
+(the backend opens one store per graph), a warning on the ``kareus`` logger naming the
+file and the process holding the lock (from ``/proc/locks``: SQLite does not say), and
+carries on without waiting: what cannot be written is not kept, what cannot be read is
+not found, so profiling measures instead of stalling at every partition. A file locked
+while it is being checked at open is not used at all: the store finds nothing and keeps
+nothing. Going on without the store rather than stopping keeps the ranks of a group in
+step: only a search's leading rank reads and writes the store, its followers measure what
+it tells them, so whatever the leader's store does, every rank measures the same variants
+and plans from the same frontiers, where a leader that stopped would leave its followers
+waiting out their timeout; and a store is a cache, no reason to fail a compile.
 
 Damaged files. Opening checks the file (SQLite header, ``PRAGMA quick_check``, the
 application id and schema version, and that the schema's tables are there with their
@@ -646,8 +647,8 @@ def _holder(path: Path) -> str:
             continue
         if fields[5] not in inodes or not fields[4].isdigit():
             continue
-        byte, start, end = inodes[fields[5]], fields[6], fields[7]
-        if byte is None or int(start) <= byte <= (byte if end == "EOF" else int(end)):
+        byte, start, end = inodes[fields[5]], int(fields[6]), fields[7]
+        if byte is None or start <= byte and (end == "EOF" or byte <= int(end)):
             pids.add(int(fields[4]))
     if not pids:
         return "another connection (which one, SQLite does not say)"
