@@ -274,20 +274,19 @@ class ProfileStore(Closing):
         self._pid = os.getpid()
         self._closed = False
         self._locked = False  # found locked: said once, not waited for again
-        conn = None
+        self._conn: sqlite3.Connection | None = None
         if read_only:
-            conn = _open_read_only(self.path)
+            self._conn = _open_read_only(self.path)
         else:
             _ensure_writable_dir(self.path)
             with _file_lock(self.path):
                 try:
-                    conn = _open_checked(self.path)
+                    self._conn = _open_checked(self.path)
                 except ProfileStoreLockedError as exc:
-                    self._found_locked(exc)  # None: every read finds nothing, no write is kept
-        self._conn = conn
+                    self._found_locked(exc)  # no connection: reads find nothing, writes skip
         # Closes (and checkpoints) at close(), at collection or at exit, whichever is first;
         # it holds the connection, not the store, so an unclosed store is still collected.
-        self._finalizer = weakref.finalize(self, _close, conn, self._pid, not read_only)
+        self._finalizer = weakref.finalize(self, _close, self._conn, self._pid, not read_only)
 
     # -- writing -------------------------------------------------------------------------
 
