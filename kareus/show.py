@@ -4,8 +4,10 @@ A plan (JSON) shows each graph's choice and the step's predicted cost against th
 and plots the step frontier it was chosen from beside the frequency-only one. A profile
 store (``profiles.sqlite``, or the directory holding it) shows one row per profile key and
 plots each key's evaluations with their (time, energy) frontier. Showing only reads: a
-store is checked read-only first, since opening a foreign or damaged file as a store would
-set it aside and start an empty one.
+store is opened read-only (``ProfileStore(read_only=True)``), so that showing creates,
+renames and writes no file beside it (no lock file, no WAL companions), and a damaged,
+foreign, old-schema or locked file is refused with what is wrong with it, where a
+profiling run would set it aside and start an empty store.
 """
 
 from __future__ import annotations
@@ -27,16 +29,14 @@ from kareus.planner.budget import Budget
 from kareus.planner.plan import Plan, PlanError
 from kareus.profiler.progress import make_console
 from kareus.profiler.store import (
-    APPLICATION_ID,
     FILENAME,
-    SCHEMA_VERSION,
     Evaluation,
     ProfileKey,
     ProfileStore,
+    ProfileStoreError,
 )
 
 MAX_PLOTS = 12  # subplots of a store's figure: more would be too small to read
-_SQLITE_HEADER = b"SQLite format 3\x00"
 _TAKES = "kareus show takes a plan JSON file, a profile store file or the directory holding one"
 
 
@@ -75,7 +75,8 @@ def show(
 
 
 def _store_file(path: Path) -> Path | None:
-    """The store file ``path`` names (a directory holds it), or None for a plan file."""
+    """The store file ``path`` names (a directory holds it, a ``.sqlite`` file is one, and
+    so is any SQLite database), or None for a plan file."""
     if not path.exists():
         raise ShowError(f"{path}: no such file or directory; {_TAKES}")
     if path.is_dir():
@@ -83,12 +84,28 @@ def _store_file(path: Path) -> Path | None:
         if not store.is_file():
             raise ShowError(f"{path}: the directory holds no {FILENAME}; {_TAKES}")
         return store
+    return path if path.suffix == ".sqlite" or _is_sqlite(path) else None
+
+
+def _is_sqlite(path: Path) -> bool:
+    """Whether SQLite reads ``path`` as a database. SQLite reads the header, not Python:
+    closing a descriptor of a store this process has open would drop its connections'
+    locks."""
+    if path.stat().st_size == 0:
+        return False
     try:
-        with open(path, "rb") as f:
-            header = f.read(len(_SQLITE_HEADER))
-    except OSError as exc:
+        conn = sqlite3.connect(f"{path.resolve().as_uri()}?immutable=1", uri=True)
+        try:
+            conn.execute("PRAGMA schema_version").fetchone()
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError as exc:
+        if getattr(exc, "sqlite_errorname", "SQLITE_NOTADB") == "SQLITE_NOTADB":
+            return False
         raise ShowError(f"{path}: cannot read it ({exc})") from exc
-    return path if header == _SQLITE_HEADER else None
+    except sqlite3.Error as exc:
+        raise ShowError(f"{path}: cannot read it ({exc})") from exc
+    return True
 
 
 def _default_png(path: Path) -> Path:
@@ -102,26 +119,6 @@ def _read_plan(path: Path) -> Plan:
         return Plan.load(path)
     except PlanError as exc:
         raise ShowError(str(exc)) from exc
-
-
-def _check_store(path: Path) -> None:
-    """Refuse a SQLite file that is no current kareus store, reading it read-only:
-    ``ProfileStore`` would set such a file aside and start an empty store in its place."""
-    try:
-        conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
-        try:
-            app_id = conn.execute("PRAGMA application_id").fetchone()[0]
-            version = conn.execute("PRAGMA user_version").fetchone()[0]
-        finally:
-            conn.close()
-    except sqlite3.Error as exc:
-        raise ShowError(f"{path}: cannot read the SQLite file ({exc})") from exc
-    if app_id != APPLICATION_ID:
-        raise ShowError(f"{path} is a SQLite database but not a kareus profile store")
-    if version != SCHEMA_VERSION:
-        raise ShowError(
-            f"{path}: profile store schema {version}; this kareus reads schema {SCHEMA_VERSION}"
-        )
 
 
 # -- a plan ---------------------------------------------------------------------------------
@@ -202,10 +199,12 @@ def _plan_figure(plan: Plan) -> Figure:
 
 
 def _show_store(path: Path, png: Path, console: Console) -> None:
-    _check_store(path)
-    with ProfileStore(path) as store:
-        keys = store.keys()
-        profiles = [(key, store.evaluations(key)) for key in keys]
+    try:
+        with ProfileStore(path, read_only=True) as store:
+            keys = store.keys()
+            profiles = [(key, store.evaluations(key)) for key in keys]
+    except ProfileStoreError as exc:  # it names the file and what is wrong with it
+        raise ShowError(str(exc)) from exc
     if not profiles:
         raise ShowError(f"{path}: the profile store holds no profiles yet")
     left_out = len(profiles) - MAX_PLOTS

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import sqlite3
 
 import pytest
@@ -14,7 +15,7 @@ from kareus.devices.base import Measurement
 from kareus.passes.decide import Choice
 from kareus.planner.budget import Budget
 from kareus.planner.plan import GraphPlan, Plan, PlanError, StepCost
-from kareus.profiler.store import FILENAME, Knobs, ProfileKey, ProfileStore
+from kareus.profiler.store import FILENAME, SCHEMA_VERSION, Knobs, ProfileKey, ProfileStore
 from kareus.show import ShowError, show
 
 PNG_SIGNATURE = b"\x89PNG"
@@ -145,6 +146,63 @@ def test_foreign_sqlite_file_is_refused_and_kept(tmp_path):
     with pytest.raises(ShowError, match="not a kareus profile store"):
         show(path, console=console())
     assert [p.name for p in tmp_path.iterdir()] == ["other.sqlite"]  # not set aside
+
+
+def listing(directory) -> dict[str, bytes]:
+    """Every file in ``directory`` and its bytes."""
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+def _sql(statement: str):
+    def damage(path) -> None:
+        with sqlite3.connect(path) as conn:
+            conn.execute(statement)
+        conn.close()
+
+    return damage
+
+
+def _truncated(path) -> None:
+    path.write_bytes(path.read_bytes()[: 3 * 4096 + 100])
+
+
+@pytest.mark.parametrize("damage, problem", [
+    (_sql("DROP TABLE evaluations"),
+     f"does not hold schema {SCHEMA_VERSION}'s tables (no table evaluations)"),
+    (_sql(f"PRAGMA user_version = {SCHEMA_VERSION + 5}"), f"schema version {SCHEMA_VERSION + 5}"),
+    (_truncated, "is corrupt"),
+    (lambda path: path.write_bytes(b""), "is an empty file"),
+])
+def test_a_damaged_store_is_refused_and_left_as_it_is(tmp_path, store_file, damage, problem):
+    damage(store_file)
+    before = listing(tmp_path)
+    with pytest.raises(KareusError) as info:
+        show(tmp_path, console=console())
+    assert listing(tmp_path) == before  # nothing set aside, created, migrated or written
+    assert isinstance(info.value, ShowError)
+    assert str(store_file) in str(info.value) and problem in str(info.value)
+    assert main(["show", str(store_file)]) == 2
+    assert listing(tmp_path) == before
+
+
+def test_a_copied_store_shows_whole_and_nothing_is_added(tmp_path, store_file):
+    """The store is its one file: copied alone, it shows every row, and showing it adds no
+    lock file or WAL companion; a live store's rows still in its -wal show too."""
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    shutil.copy2(store_file, copy / FILENAME)
+    before = listing(copy)
+    text = console()
+    show(copy / FILENAME, out=tmp_path / "copy.png", console=text)
+    assert "2 keys" in text.export_text() and listing(copy) == before
+    with ProfileStore(store_file) as live:
+        live.record(KEY_B, knobs(1, 1200, 4), measurement(3.0, 7.0, 1200))
+        files = sorted(p.name for p in tmp_path.iterdir())
+        text = console()
+        show(store_file, out=tmp_path / "live.png", console=text)
+        assert row(text.export_text(), "a7" * 6)[:6] == ["a7" * 6, "sim:h200", "4", "1, 2, 4",
+                                                         "3", "3"]
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*files, "live.png"])
 
 
 # -- errors ---------------------------------------------------------------------------------

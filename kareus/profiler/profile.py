@@ -20,7 +20,6 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 from kareus.devices.base import Device, Measurement, Workload
 from kareus.passes.analyse import GraphAnalysis
@@ -110,35 +109,35 @@ def profile_graph(
     ):
         if choices.launch_slots > 1:  # else its collective is not split: nothing overlaps
             groups.setdefault(choices.key, []).append((choices, part))
-    def searches(thread_store: ProfileStore) -> tuple[PartitionProfile, ...]:
+    def searches() -> tuple[PartitionProfile, ...]:
         return tuple(
-            _Search(analysis, k, members, device, thread_store, settings, prefix, lower,
+            _Search(analysis, k, members, device, store, settings, prefix, lower,
                     communicators).run(progress)
             for members in groups.values()
         )
 
-    return _outside_the_compile(searches, store.path)
+    return _outside_the_compile(searches)
 
 
 def _outside_the_compile(
-    searches: Callable[[ProfileStore], tuple[PartitionProfile, ...]], store_path: Path
+    searches: Callable[[], tuple[PartitionProfile, ...]],
 ) -> tuple[PartitionProfile, ...]:
-    """Run ``searches`` on a thread of its own, with its own connection to the store.
+    """Run ``searches`` on a thread of its own, and wait for it.
 
     The compiling thread carries the compile's thread-local state (dispatch modes, the
     fake-tensor mode where one is active, tracing context). Measuring on it under
     ``unset_fake_temporarily`` blocked every rank of a gloo group in the first warm-up's
     collective (tests/test_profile_e2e.py, 60 s timeout); a fresh thread starts without
     any of that state, so variants run on real tensors whatever the compile had active.
-    SQLite connections belong to one thread, hence a connection of its own.
+    The searches use the caller's store: one thread uses it at a time, since the caller
+    waits, and one store per graph finds a locked file (and says so) once, not per count.
     """
     result: list[tuple[PartitionProfile, ...]] = []
     failure: list[BaseException] = []
 
     def run() -> None:
         try:
-            with ProfileStore(store_path) as store:
-                result.append(searches(store))
+            result.append(searches())
         except BaseException as exc:  # noqa: BLE001 - re-raised on the compiling thread
             failure.append(exc)
 

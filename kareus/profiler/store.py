@@ -23,22 +23,48 @@ with exact, canonical values: no float or ordering ambiguity can make a hit a mi
 
 Several writers. Every process (every rank) opens its own :class:`ProfileStore`; a
 connection is never shared across processes (a store used in a forked child refuses to
-run) nor, by SQLite's default, across threads. The file is in WAL mode, so readers never
-block the writer; each record is one short ``BEGIN IMMEDIATE`` transaction (the write lock
-is taken up front, so ``busy_timeout`` applies instead of a deadlock error on upgrade) and
-``INSERT OR IGNORE`` against the unique index, so two ranks recording the same variant
-leave one row, the first. ``synchronous=FULL`` makes each commit durable even against a
-power cut; its fsync costs milliseconds against seconds per measurement. WAL needs shared
-memory between the processes, so the cache directory must be on a local filesystem: where
-the home directory is on NFS, point ``KAREUS_CACHE_DIR`` at a local disk.
+run), and within one it is used by one thread at a time (the compiling thread hands it to
+the profiling thread and waits). The file is in WAL mode, so readers never block the
+writer; each record is one short ``BEGIN IMMEDIATE`` transaction (the write lock is taken
+up front, so the busy timeout applies instead of a deadlock error on upgrade) and ``INSERT
+OR IGNORE`` against the unique index, so two ranks recording the same variant leave one
+row, the first. ``synchronous=FULL`` makes each commit durable even against a power cut;
+its fsync costs milliseconds against seconds per measurement. WAL needs shared memory
+between the processes, so the cache directory must be on a local filesystem: where the
+home directory is on NFS, point ``KAREUS_CACHE_DIR`` at a local disk.
+
+The store is the one ``.sqlite`` file. Commits go to its ``-wal`` companion first;
+closing a store (or its being collected, or the interpreter exiting with it open: a
+``weakref.finalize`` the store owns) checkpoints them into the file with
+``wal_checkpoint(TRUNCATE)``, whether or not other processes still have it open, so a
+closed store can be copied or moved as that file alone. Only a process killed with the
+store open, or a checkpoint kept from finishing (a lock holder or a long reader elsewhere),
+leaves rows in the ``-wal``; the next store to close the file checkpoints them.
+
+A locked file. A kareus transaction holds the write lock for milliseconds, so a statement
+that waits :data:`LOCK_WAIT_S` for it has found the file held by something else (a
+``BEGIN EXCLUSIVE`` in another program, a stopped process). The store then says so once
+(the backend opens one store per graph), a warning on the ``kareus`` logger naming the
+file and the process holding the lock (from ``/proc/locks``: SQLite does not say), and
+carries on without waiting: what cannot be written is not kept, what cannot be read is
+not found, so profiling measures instead of stalling at every partition. A file locked
+while it is being checked at open is not used at all: the store finds nothing and keeps
+nothing. Going on without the store rather than stopping keeps the ranks of a group in
+step: only a search's leading rank reads and writes the store, its followers measure what
+it tells them, so whatever the leader's store does, every rank measures the same variants
+and plans from the same frontiers, where a leader that stopped would leave its followers
+waiting out their timeout; and a store is a cache, no reason to fail a compile.
 
 Damaged files. Opening checks the file (SQLite header, ``PRAGMA quick_check``, the
-application id and schema version) under an exclusive ``flock`` on ``<file>.lock``, so that
-ranks opening at once neither rebuild the store twice nor set aside each other's fresh one.
-A file that fails is renamed next to itself (``<file>.corrupt-<time>`` or
-``<file>.schema-<version>-<time>``, its ``-wal``/``-shm`` companions alongside), a warning
-on the ``kareus`` logger names it, why and where it went, and an empty store replaces it:
-a cache is rebuilt by measuring again, and user data is never deleted.
+application id and schema version, and that the schema's tables are there with their
+columns) under an exclusive ``flock`` on ``<file>.lock``, so that ranks opening at once
+neither rebuild the store twice nor set aside each other's fresh one. A file that fails
+is renamed next to itself (``<file>.corrupt-<time>`` or ``<file>.schema-<version>-<time>``,
+its ``-wal``/``-shm`` companions alongside), a warning on the ``kareus`` logger names it,
+why and where it went, and an empty store replaces it: a cache is rebuilt by measuring
+again, and user data is never deleted. ``ProfileStore(path, read_only=True)`` (``kareus
+show``) makes the same checks and refuses a file that fails them, creating, renaming and
+writing nothing.
 """
 
 from __future__ import annotations
@@ -50,10 +76,12 @@ import logging
 import os
 import sqlite3
 import time
-from collections.abc import Iterator, Mapping
+import weakref
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from kareus.closing import Closing
 from kareus.devices.base import Measurement
@@ -65,7 +93,13 @@ logger = logging.getLogger("kareus")
 SCHEMA_VERSION = 2  # 2: searches replace frontiers
 APPLICATION_ID = 0x4B415245  # "KARE": tells a kareus store from any other SQLite file.
 FILENAME = "profiles.sqlite"
-BUSY_TIMEOUT_S = 30.0
+LOCK_WAIT_S = 5.0
+"""How long a statement waits for another connection's lock before the store counts the
+file as held by something else (module docstring): a kareus transaction holds it for
+milliseconds, a few ranks queueing for it well under a second."""
+WAL_WRITE_LOCK_BYTE = 120  # SQLite's WAL write lock: this byte of the -shm file.
+
+T = TypeVar("T")
 
 _SCHEMA = """
 CREATE TABLE keys (
@@ -101,6 +135,10 @@ CREATE TABLE searches (
 
 class ProfileStoreError(KareusError, OSError):
     """The profile store cannot be created, opened or written; the message names the file."""
+
+
+class ProfileStoreLockedError(ProfileStoreError):
+    """The profile store's file is held by another connection past :data:`LOCK_WAIT_S`."""
 
 
 class AmbiguousStoreLocationError(KareusError, ValueError):
@@ -214,7 +252,9 @@ class ProfileStore(Closing):
 
     ``ProfileStore()`` opens the default file, ``ProfileStore(cache_dir=d)`` the one in
     ``d``, ``ProfileStore(path)`` a given file. Open one per process; close it (or use it
-    as a context manager) when done.
+    as a context manager) when done: closing checkpoints the file whole. ``read_only``
+    opens an existing store to read it and changes nothing on disk: a damaged, foreign,
+    old-schema, empty or locked file is refused with a :class:`ProfileStoreError`.
     """
 
     def __init__(
@@ -222,6 +262,7 @@ class ProfileStore(Closing):
         path: str | os.PathLike[str] | None = None,
         *,
         cache_dir: str | os.PathLike[str] | None = None,
+        read_only: bool = False,
     ) -> None:
         if path is not None and cache_dir is not None:
             raise AmbiguousStoreLocationError("ProfileStore: pass path or cache_dir, not both")
@@ -229,11 +270,23 @@ class ProfileStore(Closing):
             path = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
             path = Path(path) / FILENAME
         self.path = Path(path)
+        self.read_only = read_only
         self._pid = os.getpid()
+        self._closed = False
+        self._locked = False  # found locked: said once, not waited for again
         self._conn: sqlite3.Connection | None = None
-        _ensure_writable_dir(self.path)
-        with _file_lock(self.path):
-            self._conn = _open_checked(self.path)
+        if read_only:
+            self._conn = _open_read_only(self.path)
+        else:
+            _ensure_writable_dir(self.path)
+            with _file_lock(self.path):
+                try:
+                    self._conn = _open_checked(self.path)
+                except ProfileStoreLockedError as exc:
+                    self._found_locked(exc)  # no connection: reads find nothing, writes skip
+        # Closes (and checkpoints) at close(), at collection or at exit, whichever is first;
+        # it holds the connection, not the store, so an unclosed store is still collected.
+        self._finalizer = weakref.finalize(self, _close, self._conn, self._pid, not read_only)
 
     # -- writing -------------------------------------------------------------------------
 
@@ -242,7 +295,8 @@ class ProfileStore(Closing):
     ) -> bool:
         """Commit one evaluation now; True if it was added, False if (key, knobs) already
         had one (the first is kept, so a rerun or a second rank recording it is harmless,
-        unless ``replace``: a re-measurement that supersedes it).
+        unless ``replace``: a re-measurement that supersedes it) or the file is locked
+        (nothing is kept; the module docstring says why).
 
         ``measurement.clock_mhz`` must be ``knobs.clock_mhz``: a mismatch is a caller's bug
         that would otherwise poison every later lookup.
@@ -266,7 +320,8 @@ class ProfileStore(Closing):
             m.model_version,
             time.time(),
         )
-        with self._write() as conn:
+
+        def insert(conn: sqlite3.Connection) -> bool:
             self._add_key(conn, key)
             cursor = conn.execute(
                 f"INSERT OR {'REPLACE' if replace else 'IGNORE'} INTO evaluations (key, knobs, "
@@ -277,6 +332,8 @@ class ProfileStore(Closing):
             )
             return cursor.rowcount == 1
 
+        return self._write(insert, False)
+
     def record_search(self, key: ProfileKey, settings: str, search: SearchRecord) -> None:
         """Keep a finished search of ``key`` under ``settings`` (the caller's canonical
         text of what determines it: space, budget, seed), replacing an earlier one; its
@@ -285,13 +342,16 @@ class ProfileStore(Closing):
             key.digest(), settings, json.dumps([asdict(k) for k in search.knobs]),
             search.stopped, json.dumps(list(search.hypervolumes)), time.time(),
         )
-        with self._write() as conn:
+
+        def insert(conn: sqlite3.Connection) -> None:
             self._add_key(conn, key)
             conn.execute(
                 "INSERT OR REPLACE INTO searches (key, settings, knobs, stopped, hypervolumes, "
                 "updated_at) VALUES (?, ?, ?, ?, ?, ?)",
                 row,
             )
+
+        self._write(insert, None)
 
     # -- reading -------------------------------------------------------------------------
 
@@ -327,51 +387,72 @@ class ProfileStore(Closing):
     # -- lifetime ------------------------------------------------------------------------
 
     def close(self) -> None:
-        # In a forked child the handle is the parent's: closing it could checkpoint and
-        # delete the WAL under the parent, so the child only drops its reference.
-        if self._conn is not None and os.getpid() == self._pid:
-            self._conn.close()
+        self._closed = True
         self._conn = None
+        self._finalizer()  # Runs once: a second close() does nothing.
 
     def __repr__(self) -> str:
         return f"ProfileStore({str(self.path)!r})"
 
     # -- internals -----------------------------------------------------------------------
 
-    def _connection(self) -> sqlite3.Connection:
+    def _use(self, work: Callable[[sqlite3.Connection], T], locked: T) -> T:
+        """``work`` on the connection; ``locked`` where the file is held by another
+        connection (at once, once it has been found so: see the module docstring)."""
         if os.getpid() != self._pid:
             # A forked child sharing the parent's SQLite handle corrupts its locks.
             raise ProfileStoreError(
                 f"profile store {self.path} was opened in process {self._pid} and used in "
                 f"process {os.getpid()}; open a ProfileStore in each process"
             )
-        if self._conn is None:
+        if self._closed:
             raise ProfileStoreError(f"profile store {self.path} is closed")
-        return self._conn
-
-    @contextmanager
-    def _write(self) -> Iterator[sqlite3.Connection]:
-        conn = self._connection()
-        with self._errors():
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                yield conn
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
-            conn.execute("COMMIT")
-
-    def _query(self, sql: str, params: tuple[object, ...]) -> list[tuple]:
-        conn = self._connection()
-        with self._errors():
-            return conn.execute(sql, params).fetchall()
-
-    @contextmanager
-    def _errors(self) -> Iterator[None]:
+        if self._conn is None:  # found locked at open
+            return locked
         try:
-            yield
+            return work(self._conn)
+        except sqlite3.OperationalError as exc:
+            if not _is_busy(exc):
+                raise ProfileStoreError(f"profile store {self.path}: {exc}") from exc
+            error = _locked_error(self.path, exc)
+            if self.read_only:
+                raise error from exc
+            self._found_locked(error)
+            return locked
         except sqlite3.Error as exc:
             raise ProfileStoreError(f"profile store {self.path}: {exc}") from exc
+
+    def _write(self, statements: Callable[[sqlite3.Connection], T], locked: T) -> T:
+        """``statements`` in one ``BEGIN IMMEDIATE`` transaction, committed now."""
+
+        def transaction(conn: sqlite3.Connection) -> T:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                result = statements(conn)
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:  # COMMIT itself may fail busy in a rollback journal
+                    conn.execute("ROLLBACK")
+                raise
+            return result
+
+        return self._use(transaction, locked)
+
+    def _query(self, sql: str, params: tuple[object, ...]) -> list[tuple]:
+        return self._use(lambda conn: conn.execute(sql, params).fetchall(), [])
+
+    def _found_locked(self, error: ProfileStoreLockedError) -> None:
+        """Say once that the file is locked, and stop waiting for it."""
+        if self._locked:
+            return
+        self._locked = True
+        logger.warning(
+            "%s; profiling goes on without it: what is measured while it is locked is not "
+            "kept, and will be measured again next time",
+            error,
+        )
+        if self._conn is not None:
+            self._conn.execute("PRAGMA busy_timeout = 0")
 
     @staticmethod
     def _add_key(conn: sqlite3.Connection, key: ProfileKey) -> None:
@@ -439,7 +520,7 @@ def _file_lock(path: Path) -> Iterator[None]:
 def _open_checked(path: Path) -> sqlite3.Connection:
     """A connection to a valid store at ``path``: the file as found, or a fresh one after
     setting aside a damaged or foreign file. Call under :func:`_file_lock`."""
-    problem = _problem(path)
+    problem = _problem_at(path)
     if problem is not None:
         reason, suffix = problem
         moved = _set_aside(path, suffix)
@@ -450,24 +531,140 @@ def _open_checked(path: Path) -> sqlite3.Connection:
             reason,
             moved,
         )
+    conn = None
     try:
         conn = _connect(path)
         _create_schema(conn)
     except sqlite3.Error as exc:
+        if conn is not None:
+            conn.close()
+        if isinstance(exc, sqlite3.OperationalError) and _is_busy(exc):
+            raise _locked_error(path, exc) from exc
         raise ProfileStoreError(f"cannot open the profile store {path}: {exc}") from exc
     return conn
 
 
-def _connect(path: Path) -> sqlite3.Connection:
-    # isolation_level=None: no implicit transactions; _write issues BEGIN IMMEDIATE itself.
-    conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
-    conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+def _open_read_only(path: Path) -> sqlite3.Connection:
+    """A read-only connection to the valid store at ``path`` that creates, renames and
+    writes nothing; a :class:`ProfileStoreError` naming the file and what is wrong with it
+    otherwise."""
+    try:
+        size = path.stat().st_size
+    except OSError as exc:
+        raise ProfileStoreError(f"cannot read the profile store {path}: {exc}") from exc
+    if size == 0:
+        raise ProfileStoreError(f"profile store {path} is an empty file, not a store yet")
+    # A store with both WAL companions is open elsewhere (or its writer was killed): its
+    # latest rows may be in the -wal, which mode=ro reads. Without them everything is in
+    # the file, and immutable=1 reads it as it is: mode=ro would create the companions and
+    # leave them behind.
+    live = all(path.with_name(path.name + c).exists() for c in ("-wal", "-shm"))
+    uri = f"{path.resolve().as_uri()}?{'mode=ro' if live else 'immutable=1'}"
+    try:
+        conn = _connect(uri, uri=True)
+    except sqlite3.Error as exc:
+        raise ProfileStoreError(f"cannot read the profile store {path}: {exc}") from exc
+    try:
+        problem = _problem(conn, path, empty="is an empty SQLite database, not a store yet")
+    except BaseException:
+        conn.close()
+        raise
+    if problem is not None:
+        conn.close()
+        raise ProfileStoreError(f"profile store {path} {problem[0]}")
     return conn
 
 
-def _problem(path: Path) -> tuple[str, str] | None:
-    """Why the file at ``path`` cannot be used as it is, and the suffix to set it aside
-    under; None for a valid store, a missing file or an empty one. Reads only."""
+def _connect(database: str | Path, *, uri: bool = False) -> sqlite3.Connection:
+    # isolation_level=None: no implicit transactions; _write issues BEGIN IMMEDIATE itself.
+    # check_same_thread=False: a store is used by one thread at a time, but not always the
+    # one that opened it (the profiling thread; the finalizer at exit).
+    conn = sqlite3.connect(
+        database, timeout=LOCK_WAIT_S, isolation_level=None, check_same_thread=False, uri=uri
+    )
+    conn.execute(f"PRAGMA busy_timeout = {int(LOCK_WAIT_S * 1000)}")
+    return conn
+
+
+def _close(conn: sqlite3.Connection | None, pid: int, checkpoint: bool) -> None:
+    """Checkpoint the WAL into the file (``checkpoint``: a writable store) and close.
+
+    TRUNCATE copies every committed frame into the file even while other processes keep
+    it open (closing the last connection would too, but the ranks close at about the same
+    time and each then finds the others still there). A checkpoint that cannot finish (a
+    reader or a lock holder elsewhere) leaves the frames to the next close."""
+    # In a forked child the handle is the parent's: closing it could checkpoint and delete
+    # the WAL under the parent, so the child leaves it.
+    if conn is None or os.getpid() != pid:
+        return
+    try:
+        if checkpoint:
+            busy, frames, copied = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+            if busy:
+                logger.debug("profile store: checkpoint incomplete (%d of %d frames)",
+                             copied, frames)
+    except sqlite3.Error as exc:
+        logger.debug("profile store: no checkpoint at close: %s", exc)
+    finally:
+        conn.close()
+
+
+def _is_busy(exc: sqlite3.OperationalError) -> bool:
+    """Whether ``exc`` is SQLite's "locked by another connection" (SQLITE_BUSY/LOCKED)."""
+    code = getattr(exc, "sqlite_errorcode", None)  # Python 3.11+
+    if code is not None:
+        return code & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+    return "locked" in str(exc)
+
+
+def _locked_error(path: Path, exc: sqlite3.Error) -> ProfileStoreLockedError:
+    return ProfileStoreLockedError(
+        f"profile store {path} is locked by {_holder(path)} ({exc} after {LOCK_WAIT_S:g} s)"
+    )
+
+
+def _holder(path: Path) -> str:
+    """Who holds the write lock on the store at ``path``, as far as Linux's ``/proc/locks``
+    tells: SQLite does not say, and asking the kernel (``F_GETLK``) would take a descriptor
+    of the file outside SQLite, whose closing drops this process's own locks on it."""
+    inodes = {}
+    for name, byte in ((path.name, None), (path.name + "-shm", WAL_WRITE_LOCK_BYTE)):
+        try:
+            st = os.stat(path.with_name(name))
+        except OSError:
+            continue
+        inodes[f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"] = byte
+    try:
+        lines = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        lines = []
+    pids = set()
+    for line in lines:
+        # "1: POSIX  ADVISORY  WRITE 4242 fe:00:2147849 120 120"; "->" marks a waiter.
+        fields = line.split()
+        if len(fields) != 8 or fields[1] != "POSIX" or fields[3] != "WRITE":
+            continue
+        if fields[5] not in inodes or not fields[4].isdigit():
+            continue
+        byte, start, end = inodes[fields[5]], int(fields[6]), fields[7]
+        if byte is None or start <= byte and (end == "EOF" or byte <= int(end)):
+            pids.add(int(fields[4]))
+    if not pids:
+        return "another connection (which one, SQLite does not say)"
+    return ", ".join(_process(pid) for pid in sorted(pids))
+
+
+def _process(pid: int) -> str:
+    try:
+        name = Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        name = ""
+    own = "; this process" if pid == os.getpid() else ""
+    return f"process {pid}" + (f" ({name}{own})" if name or own else "")
+
+
+def _problem_at(path: Path) -> tuple[str, str] | None:
+    """:func:`_problem` of the file at ``path``; None for a missing or empty file."""
     # Only SQLite opens the file: closing any other descriptor of it drops every POSIX lock
     # this process holds on it, those of its live connections too (SQLite's "how to
     # corrupt" list); a profiling thread opening the store while the compiling thread has it
@@ -477,29 +674,40 @@ def _problem(path: Path) -> tuple[str, str] | None:
             return None
     except FileNotFoundError:
         return None
-    conn = None
+    conn = _connect(path)
     try:
-        conn = _connect(path)
+        return _problem(conn, path)
+    finally:
+        conn.close()
+
+
+def _problem(
+    conn: sqlite3.Connection, path: Path, *, empty: str | None = None
+) -> tuple[str, str] | None:
+    """Why the database on ``conn`` cannot be used as a store, and the suffix to set it
+    aside under; None for a valid store, and for an empty database unless ``empty`` says
+    why it cannot be used either. Reads only."""
+    try:
         check = [row[0] for row in conn.execute("PRAGMA quick_check").fetchall()]
         if check != ["ok"]:
             return f"is corrupt ({'; '.join(check[:3])})", "corrupt"
         app_id = conn.execute("PRAGMA application_id").fetchone()[0]
         version = conn.execute("PRAGMA user_version").fetchone()[0]
-        tables = conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]
+        tables = _tables(conn)
     except sqlite3.OperationalError as exc:
         # I/O errors and locks are not damage: setting the file aside would take a live
         # store from under the processes using it.
+        if _is_busy(exc):
+            raise _locked_error(path, exc) from exc
         code = getattr(exc, "sqlite_errorname", "")
         raise ProfileStoreError(
             f"cannot check the profile store {path}: {exc} {code}".rstrip()
         ) from exc
     except sqlite3.DatabaseError as exc:
         return f"is corrupt ({exc})", "corrupt"
-    finally:
-        if conn is not None:
-            conn.close()
-    if app_id == 0 and version == 0 and tables == 0:
-        return None  # An empty database: a store whose creation was interrupted.
+    if app_id == 0 and version == 0 and not tables:
+        # An empty database: a store whose creation was interrupted, or is under way.
+        return None if empty is None else (empty, "empty")
     if app_id != APPLICATION_ID:
         return "is a SQLite database but not a kareus profile store", f"schema-{version}"
     if version != SCHEMA_VERSION:
@@ -507,7 +715,38 @@ def _problem(path: Path) -> tuple[str, str] | None:
             f"has schema version {version}, this kareus uses {SCHEMA_VERSION}",
             f"schema-{version}",
         )
+    # Marked as a current store, yet a table dropped or altered by hand would fail every
+    # write (or every read) that touches it: the store would be half used.
+    expected = _schema_tables()
+    missing = [name for name in expected if name not in tables]
+    changed = [name for name in expected if name in tables and tables[name] != expected[name]]
+    if missing or changed:
+        lacks = "; ".join(
+            [f"no table {', '.join(missing)}"] * bool(missing)
+            + [f"other columns in {', '.join(changed)}"] * bool(changed)
+        )
+        return f"does not hold schema {SCHEMA_VERSION}'s tables ({lacks})", "corrupt"
     return None
+
+
+def _tables(conn: sqlite3.Connection) -> dict[str, tuple[str, ...]]:
+    """Each table of ``conn``'s database and its columns, in order."""
+    names = [n for (n,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+    # The name as a parameter, not in the SQL text: a foreign file's names can be anything.
+    return {
+        n: tuple(row[0] for row in conn.execute("SELECT name FROM pragma_table_info(?)", (n,)))
+        for n in names
+    }
+
+
+def _schema_tables() -> dict[str, tuple[str, ...]]:
+    """The tables :data:`_SCHEMA` makes, and their columns: what a store's must be."""
+    conn = sqlite3.connect(":memory:")
+    try:
+        conn.executescript(_SCHEMA)
+        return _tables(conn)
+    finally:
+        conn.close()
 
 
 def _set_aside(path: Path, suffix: str) -> Path:

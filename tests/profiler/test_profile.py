@@ -2,6 +2,11 @@
 structural key, committed to the store as measured, read back instead of measured again."""
 
 import itertools
+import logging
+import shutil
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -12,7 +17,7 @@ from kareus import KareusBackend
 from kareus.devices import SimulatedGPU
 from kareus.profiler import profile as profiling
 from kareus.profiler.profile import Settings, profile_graph
-from kareus.profiler.store import ProfileKey, ProfileStore
+from kareus.profiler.store import FILENAME, LOCK_WAIT_S, ProfileKey, ProfileStore
 
 GPU = "sim:a100-sxm4-40gb"
 
@@ -121,6 +126,69 @@ def test_frontiers_are_pareto_sets_of_measured_points(graphs, tmp_path):
                 values = [(f.time_s, getattr(f, energy)) for f in front]
                 assert values == sorted(values)
                 assert all(e0 > e1 for (_, e0), (_, e1) in itertools.pairwise(values))
+
+
+def test_a_profiled_store_is_whole_in_its_file(graphs, tmp_path):
+    """Profiled and closed, the store is its .sqlite file alone, though another rank still
+    has it open: copied without its -wal, it holds every evaluation."""
+    with ProfileStore(cache_dir=tmp_path) as other_rank:
+        with ProfileStore(cache_dir=tmp_path) as store:
+            profiles = _profile(graphs, store, budget=4)
+        (tmp_path / "copy").mkdir()
+        shutil.copy2(tmp_path / FILENAME, tmp_path / "copy" / FILENAME)
+        other_rank.keys()
+    with ProfileStore(cache_dir=tmp_path / "copy") as moved:
+        keys = moved.keys()
+        assert sorted(k.partition_key for k in keys) == sorted(p.key for p in profiles)
+        assert sum(len(moved.evaluations(k)) for k in keys) == sum(
+            p.evaluations for p in profiles
+        ) > 0
+
+
+_HOLDER = """
+import sqlite3, sys
+conn = sqlite3.connect(sys.argv[1], isolation_level=None)
+conn.execute("BEGIN EXCLUSIVE")
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_locked_store_is_said_once_and_profiling_goes_on_without_it(
+    graphs, tmp_path, counted, caplog
+):
+    """Another process holding the store's write lock costs one wait for the whole graph,
+    not one per partition (30 s each, before): every partition is measured, nothing is
+    kept."""
+    path = tmp_path / FILENAME
+    ProfileStore(path).close()
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(path)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    waited = []
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with caplog.at_level(logging.WARNING, logger="kareus"), ProfileStore(path) as store:
+            for name in ("lookup", "record", "search", "record_search"):
+                method = getattr(store, name)
+
+                def timed(*args, _method=method, **kwargs):
+                    start = time.monotonic()
+                    try:
+                        return _method(*args, **kwargs)
+                    finally:
+                        waited.append(time.monotonic() - start)
+
+                setattr(store, name, timed)
+            profiles = _profile(graphs, store, budget=4)
+    finally:
+        holder.communicate(timeout=30)
+    assert len(profiles) > 1 and all(p.error is None and p.frontier for p in profiles)
+    assert sum(p.measured for p in profiles) == len(counted) > 0
+    assert LOCK_WAIT_S <= sum(waited) < LOCK_WAIT_S + 2
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert f"profile store {path} is locked by process {holder.pid}" in warning
+    with ProfileStore(path) as store:
+        assert store.keys() == []
 
 
 def test_the_backend_profiles_once_per_store(fake_pg, tmp_path, counted):

@@ -11,8 +11,12 @@ import logging
 import multiprocessing
 import os
 import re
+import shutil
 import signal
 import sqlite3
+import subprocess
+import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,6 +24,7 @@ import pytest
 
 from kareus import KareusError
 from kareus.devices.base import Measurement
+from kareus.profiler import store as store_module
 from kareus.profiler.store import (
     FILENAME,
     SCHEMA_VERSION,
@@ -243,6 +248,127 @@ def test_crash_mid_search_then_resume(tmp_path, processes):
     assert [e.measurement for e in after] == [measurement(slot) for slot in range(20)]
 
 
+# -- whole in its file ---------------------------------------------------------------------
+
+
+def copied_alone(path: Path, directory: Path) -> Path:
+    """``path`` copied to ``directory`` without its -wal and -shm: what a user moving the
+    store takes."""
+    directory.mkdir()
+    return Path(shutil.copy2(path, directory / FILENAME))
+
+
+def test_a_closed_store_is_whole_in_its_file(tmp_path):
+    """Closing checkpoints the WAL into the file even while another process (another rank)
+    still has it open: SQLite's own checkpoint at close waits for the last connection."""
+    path = tmp_path / FILENAME
+    search = SearchRecord((knobs(0), knobs(1)), "budget", (1.0, 2.0))
+    with ProfileStore(path) as other_rank:
+        with ProfileStore(path) as store:
+            for slot in range(5):
+                store.record(KEY, knobs(slot), measurement(slot))
+            store.record_search(KEY, "budget=2", search)
+        copy = copied_alone(path, tmp_path / "copy")
+        with ProfileStore(copy) as moved:
+            assert [e.knobs.slot for e in moved.evaluations(KEY)] == list(range(5))
+            assert moved.search(KEY, "budget=2") == search
+        other_rank.keys()
+
+
+_UNCLOSED = """
+import sys
+from kareus.devices.base import Measurement
+from kareus.profiler.store import Knobs, ProfileKey, ProfileStore
+KEY = ProfileKey("3f" * 32, "sim:h200", "sim-v2", (1980, 1500, 1200), 2, "0.1.0")
+store = ProfileStore(sys.argv[1])  # never closed: the interpreter exits with it open
+for slot in range(3):
+    store.record(KEY, Knobs(slot, (), 1980, 2), Measurement(1e-3, 0.1, 110.0, 1980, "x"))
+"""
+
+
+def test_a_store_left_open_is_checkpointed_at_exit(tmp_path):
+    path = tmp_path / FILENAME
+    with ProfileStore(path) as other_rank:  # so that the child's is not the last connection
+        subprocess.run([sys.executable, "-c", _UNCLOSED, str(path)], check=True, timeout=120)
+        with ProfileStore(copied_alone(path, tmp_path / "copy")) as moved:
+            assert [e.knobs.slot for e in moved.evaluations(KEY)] == [0, 1, 2]
+        other_rank.keys()
+
+
+# -- a locked file ------------------------------------------------------------------------
+
+_HOLDER = """
+import sqlite3, sys
+conn = sqlite3.connect(sys.argv[1], isolation_level=None)
+conn.execute("BEGIN EXCLUSIVE")
+conn.execute("SELECT count(*) FROM sqlite_master").fetchall()
+print("held", flush=True)
+sys.stdin.read()  # until the test is done
+"""
+
+
+@pytest.fixture
+def lock(tmp_path):
+    """Hold ``BEGIN EXCLUSIVE`` on a file from another process; yields a function that
+    starts it and returns its pid."""
+    holders = []
+
+    def hold(path: Path) -> int:
+        holder = subprocess.Popen(
+            [sys.executable, "-c", _HOLDER, str(path)], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, text=True,
+        )
+        holders.append(holder)
+        assert holder.stdout.readline() == "held\n"
+        return holder.pid
+
+    yield hold
+    for holder in holders:
+        holder.communicate(timeout=30)
+
+
+def test_a_locked_store_is_said_once_and_not_waited_for(tmp_path, lock, caplog, monkeypatch):
+    monkeypatch.setattr(store_module, "LOCK_WAIT_S", 1.0)
+    path = tmp_path / FILENAME
+    _real_store(path, 2)
+    pid = lock(path)
+    with caplog.at_level(logging.WARNING, logger="kareus"), ProfileStore(path) as store:
+        assert len(store.evaluations(KEY)) == 2  # WAL: reading goes on
+        start = time.monotonic()
+        assert store.record(KEY, knobs(5), measurement(5)) is False  # waited once
+        first = time.monotonic() - start
+        for slot in range(6, 20):  # then not at all
+            store.record(KEY, knobs(slot), measurement(slot))
+            store.record_search(KEY, "s", SearchRecord((knobs(slot),), "budget", (1.0,)))
+        rest = time.monotonic() - start - first
+    closed = time.monotonic() - start - first - rest
+    assert 1.0 <= first < 5 and rest < 1 and closed < 1
+    [message] = [r.getMessage() for r in caplog.records if r.name == "kareus"]
+    assert f"profile store {path} is locked by process {pid} (python" in message
+    assert "not kept" in message
+    with ProfileStore(path) as store:
+        assert [e.knobs.slot for e in store.evaluations(KEY)] == [0, 1]
+    assert set_aside(tmp_path, "corrupt") == []
+
+
+def test_a_store_locked_while_opening_is_not_used(tmp_path, lock, caplog, monkeypatch):
+    """A file another program holds in a rollback journal cannot even be checked: the store
+    is used without it, and it is not taken for damage."""
+    monkeypatch.setattr(store_module, "LOCK_WAIT_S", 1.0)
+    path = tmp_path / FILENAME
+    with sqlite3.connect(path) as conn:
+        conn.execute("CREATE TABLE notes (text TEXT)")
+    conn.close()
+    original = path.read_bytes()
+    pid = lock(path)
+    with caplog.at_level(logging.WARNING, logger="kareus"), ProfileStore(path) as store:
+        assert store.record(KEY, knobs(0), measurement(0)) is False
+        assert store.lookup(KEY, knobs(0)) is None and store.keys() == []
+    [message] = [r.getMessage() for r in caplog.records if r.name == "kareus"]
+    assert f"is locked by process {pid}" in message
+    assert path.read_bytes() == original and list(tmp_path.glob(f"{FILENAME}.*-*")) == []
+
+
 # -- damaged files ------------------------------------------------------------------------
 
 
@@ -285,8 +411,6 @@ def test_corrupted_file_is_set_aside(tmp_path, caplog, damage):
 def test_an_io_error_while_checking_is_not_damage(tmp_path, monkeypatch):
     """An I/O error or a lock is no reason to set a store aside: other processes may be
     using it. An error names the store; the file stays."""
-    from kareus.profiler import store as store_module
-
     path = tmp_path / FILENAME
     _real_store(path, 3)
     connect = store_module._connect
@@ -348,6 +472,27 @@ def test_old_schema_is_set_aside(tmp_path, caplog):
     [moved] = set_aside(tmp_path, f"schema-{SCHEMA_VERSION + 98}")
     assert moved.read_bytes() == original
     assert f"schema version {SCHEMA_VERSION + 98}" in caplog.text and str(moved) in caplog.text
+
+
+@pytest.mark.parametrize("change", ["DROP TABLE evaluations", "DROP TABLE searches",
+                                    "ALTER TABLE keys ADD COLUMN note TEXT"])
+def test_a_store_with_tables_dropped_or_changed_is_set_aside(tmp_path, caplog, change):
+    path = tmp_path / FILENAME
+    _real_store(path, 3)
+    with sqlite3.connect(path) as conn:
+        conn.execute(change)
+    conn.close()
+    with caplog.at_level(logging.WARNING, logger="kareus"), ProfileStore(path) as store:
+        assert store.evaluations(KEY) == []
+        store.record(KEY, knobs(0), measurement(0))
+        store.record_search(KEY, "s", SearchRecord((knobs(0),), "budget", (1.0,)))
+        assert store.search(KEY, "s") is not None
+    [moved] = set_aside(tmp_path, "corrupt")
+    table = change.split()[2]
+    assert f"does not hold schema {SCHEMA_VERSION}'s tables" in caplog.text
+    assert table in caplog.text and str(moved) in caplog.text
+    with pytest.raises(ProfileStoreError, match=f"{re.escape(str(moved))} does not hold"):
+        ProfileStore(moved, read_only=True)
 
 
 def test_another_programs_database_is_set_aside(tmp_path, caplog):
