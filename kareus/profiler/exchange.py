@@ -31,6 +31,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -40,6 +41,7 @@ from torch.distributed.distributed_c10d import _get_default_store, _resolve_proc
 
 from kareus.devices.base import Measurement
 from kareus.errors import KareusError
+from kareus.profiler.interrupt import check
 from kareus.profiler.measure import group_measurement
 from kareus.profiler.search import Config, Point, SearchResult
 
@@ -71,19 +73,24 @@ class Team:
     prefix: str
     timeout_s: float
     store: dist.Store | None = None
+    stop: threading.Event | None = None
+    """Set (a signal): every wait gives up (``interrupt.ProfilingInterrupted``); the rank
+    then aborts the search, so the others stop too."""
 
     @classmethod
-    def of_group(cls, group_name: str, prefix: str, timeout_s: float) -> Team:
+    def of_group(
+        cls, group_name: str, prefix: str, timeout_s: float, stop: threading.Event | None = None
+    ) -> Team:
         """The team of the process group ``group_name`` (alone for a fake or a one-rank
         group, or without torch.distributed)."""
         if not dist.is_initialized():
-            return cls((0,), 0, 1, prefix, timeout_s)
+            return cls((0,), 0, 1, prefix, timeout_s, stop=stop)
         group = _resolve_process_group(group_name)
         size = dist.get_world_size(group)
         if dist.get_backend(group) == "fake" or size == 1:
-            return cls((dist.get_rank(),), dist.get_rank(), size, prefix, timeout_s)
+            return cls((dist.get_rank(),), dist.get_rank(), size, prefix, timeout_s, stop=stop)
         ranks = tuple(sorted(dist.get_process_group_ranks(group)))
-        return cls(ranks, dist.get_rank(), size, prefix, timeout_s, _get_default_store())
+        return cls(ranks, dist.get_rank(), size, prefix, timeout_s, _get_default_store(), stop)
 
     @property
     def alone(self) -> bool:
@@ -121,7 +128,12 @@ class Team:
         """Measure what the leader asks, until it posts the result; return that result."""
         step = 0
         while True:
-            self._wait([self._step(step)], f"instruction {step} from rank {self.ranks[0]}")
+            try:
+                self._wait([self._step(step)], f"instruction {step} from rank {self.ranks[0]}")
+            except BaseException as exc:  # interrupted: the leader must not wait for us
+                if not isinstance(exc, ProfilingAborted):
+                    self.abort(f"rank {self.rank} stopped: {type(exc).__name__}: {exc}")
+                raise
             kind, _, payload = _text(self._store.get(self._step(step))).partition(" ")
             if kind == "done":
                 return _result(payload)
@@ -177,6 +189,7 @@ class Team:
         deadline = time.monotonic() + self.timeout_s
         pause = 0.001
         while not store.check(list(keys)):
+            check(self.stop)
             if store.check([self._abort]):
                 raise ProfilingAborted(f"{self._keys}: {_text(store.get(self._abort))}")
             remaining = deadline - time.monotonic()

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from kareus.devices.base import Device
 from kareus.passes.analyse import GraphAnalysis
+from kareus.profiler.interrupt import DeferredSignals
 from kareus.profiler.profile import PartitionProfile, Settings, profile_graph
 from kareus.profiler.progress import ProfilingProgress, make_console, summary_table
 from kareus.profiler.store import ProfileStore
@@ -56,7 +57,9 @@ def profile(
     are) that all of them will search the same graph with the same settings, so that a
     leader never waits out the timeout for a rank that will not follow, and that all plan
     it alike, so that no rank waits for another's plan. Rank 0 shows progress and a
-    summary; the device's clocks are back at default afterwards.
+    summary; the device's clocks are back at default afterwards, also after SIGINT or
+    SIGTERM: the measuring stops, the clocks are reset, and only then does the signal act
+    (``interrupt.DeferredSignals``).
     """
     searched = tuple(k for k in counts if k > 1 and k in analysis.space.nanobatches)
     wants = settings.mode != "off" and bool(searched)
@@ -79,16 +82,18 @@ def profile(
         return GraphProfiles((), planned)
     shows = not dist.is_initialized() or dist.get_rank() == 0
     profiles: tuple[PartitionProfile, ...] = ()
-    try:
-        with ProfileStore(cache_dir=cache_dir) as store, ProfilingProgress(shows) as progress:
-            for k in searched:
-                profiles += profile_graph(
-                    analysis, k, device, store, settings, prefix=compile_key,
-                    progress=progress, lower=lower, communicators=communicators,
-                )
-    finally:
-        if device.controls_clocks:
-            device.clock_controller().reset()
+    with DeferredSignals() as signals:
+        try:
+            with ProfileStore(cache_dir=cache_dir) as store, ProfilingProgress(shows) as progress:
+                for k in searched:
+                    profiles += profile_graph(
+                        analysis, k, device, store, settings, prefix=compile_key,
+                        progress=progress, lower=lower, communicators=communicators,
+                        stop=signals.stop,
+                    )
+        finally:
+            if device.controls_clocks:
+                device.clock_controller().reset()
     if shows and profiles:
         make_console().print(summary_table(
             f"kareus {analysis.label}: partition frontiers on {device.identity}", profiles

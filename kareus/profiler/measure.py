@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import statistics
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -26,6 +27,7 @@ from kareus.devices.base import Device, Measurement, Resources, Workload
 from kareus.devices.nvml.energy import DEFAULT_MIN_WINDOW_S
 from kareus.devices.nvml.gpu import DEFAULT_SETTLE_S
 from kareus.errors import KareusError
+from kareus.profiler.interrupt import check
 
 log = logging.getLogger("kareus")
 
@@ -91,9 +93,13 @@ def measure_variant(
     resources: Resources | None = None,
     protocol: Protocol = Protocol(),
     sleep: Callable[[float], None] = time.sleep,
+    stop: threading.Event | None = None,
 ) -> Measurement:
-    """One variant on this rank's GPU under ``protocol``: the medians of its repeats."""
+    """One variant on this rank's GPU under ``protocol``: the medians of its repeats. Once
+    ``stop`` is set no repeat starts (``interrupt.ProfilingInterrupted``): each sets the
+    clock, which must stay reset after an interrupt."""
     def once() -> Measurement:
+        check(stop)
         return device.measure(workload, clock_mhz, resources=resources)
 
     if device.deterministic:

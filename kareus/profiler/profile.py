@@ -27,6 +27,7 @@ from kareus.passes.collectives import find_collectives
 from kareus.passes.partition import Partition
 from kareus.passes.variants import PartitionChoices
 from kareus.profiler.exchange import ProfilingAborted, Team
+from kareus.profiler.interrupt import check
 from kareus.profiler.measure import Protocol, measure_variant
 from kareus.profiler.search import Config, Point, SearchResult, Space, pareto, search
 from kareus.profiler.store import Knobs, ProfileKey, ProfileStore, SearchRecord
@@ -94,13 +95,16 @@ def profile_graph(
     progress: Progress | None = None,
     lower: Lower | None = None,
     communicators: Communicators | None = None,
+    stop: threading.Event | None = None,
 ) -> tuple[PartitionProfile, ...]:
     """Search every distinct partition of ``analysis`` at ``k`` nanobatches (none when the
     mode is "off" or ``k`` does not apply). ``prefix`` names this compile of the graph
     identically on every rank (the agreement's compile key); ``lower`` compiles the
     variants a device runs (see ``workloads.partition_workload``). A device that does not
     model communication resources measures a capped collective on a capped communicator
-    from ``communicators``; without them, it searches only the library's default."""
+    from ``communicators``; without them, it searches only the library's default. Once
+    ``stop`` is set (a signal, ``interrupt.DeferredSignals``) no measurement starts: the
+    search in progress is given up, its team told, and ``ProfilingInterrupted`` raised."""
     if settings.mode == "off" or k == 1 or k not in analysis.space.nanobatches:
         return ()
     groups: dict[str, list[tuple[PartitionChoices, Partition]]] = {}
@@ -112,7 +116,7 @@ def profile_graph(
     def searches() -> tuple[PartitionProfile, ...]:
         return tuple(
             _Search(analysis, k, members, device, store, settings, prefix, lower,
-                    communicators).run(progress)
+                    communicators, stop).run(progress)
             for members in groups.values()
         )
 
@@ -141,6 +145,10 @@ def _outside_the_compile(
         except BaseException as exc:  # noqa: BLE001 - re-raised on the compiling thread
             failure.append(exc)
 
+    # Not a daemon: after a second signal (``interrupt``) the compile stops waiting for it,
+    # but the process does not end before it (a daemon thread still running torch code at
+    # interpreter exit aborts the process: pytorch/pytorch#38228), and the exit guard
+    # resets the clocks after that.
     thread = threading.Thread(target=run, name="kareus-profile")
     thread.start()
     thread.join()
@@ -163,8 +171,10 @@ class _Search:
         prefix: str,
         lower: Lower | None,
         communicators: Communicators | None,
+        stop: threading.Event | None = None,
     ) -> None:
         self.choices, self.partition = members[0]
+        self.stop = stop
         self.indices = tuple(c.index for c, _ in members)
         self.placements, self.table = analysis.placements[k], analysis.table
         self.k, self.device, self.store, self.settings = k, device, store, settings
@@ -179,7 +189,7 @@ class _Search:
         )
         self.team = Team.of_group(
             self.choices.group_name, f"kareus/profile/{prefix}/{self.choices.key}/k{k}",
-            settings.timeout_s,
+            settings.timeout_s, stop,
         )
         self.key = ProfileKey(
             self.choices.key, device.identity, device.model_version, self.space.clocks,
@@ -219,6 +229,7 @@ class _Search:
         points: list[Point] = []
 
         def evaluate(config: Config) -> Measurement:
+            check(self.stop)
             knobs = self._knobs(config)
             hit = None if self.settings.mode == "refresh" else self.store.lookup(self.key, knobs)
             if hit is not None:
@@ -265,7 +276,7 @@ class _Search:
         return measure_variant(
             self.device, replace(workload, agree=agree), config.clock_mhz,
             resources={collective: config.sms} if modelled else None,
-            protocol=self.settings.protocol,
+            protocol=self.settings.protocol, stop=self.stop,
         )
 
     def _workload(self, slot: int, cap: int | None = None) -> tuple[Workload, str]:

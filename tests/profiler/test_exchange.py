@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from kareus.devices.base import Measurement
 from kareus.profiler.exchange import ProfilingAborted, Team
+from kareus.profiler.interrupt import ProfilingInterrupted
 from kareus.profiler.search import Config, Space, search
 
 SPACE = Space((0, 1), (None,), (1410, 1200, 900))
@@ -21,14 +22,15 @@ def reading(rank, config):
 
 
 def run_group(ranks, store, *, prefix="p", timeout_s=10.0, delay=None, fail=None, budget=8,
-              agreed=None):
+              agreed=None, stops=None):
     """Every rank in a thread; rank -> (result, measured) or the exception it raised.
     ``agreed``: rank -> the counts its measurements agreed on (each proposes its rank + 1,
-    then 0)."""
+    then 0). ``stops``: rank -> the event that interrupts it."""
     outcome = {}
 
     def rank_main(rank):
-        team = Team(tuple(ranks), rank, len(ranks), prefix, timeout_s, store)
+        stop = (stops or {}).get(rank)
+        team = Team(tuple(ranks), rank, len(ranks), prefix, timeout_s, store, stop)
 
         def measure_here(config, agree):
             if delay and rank in delay:
@@ -118,6 +120,25 @@ def test_a_failing_rank_stops_the_others_at_once():
     assert isinstance(outcome[1], RuntimeError) and not isinstance(outcome[1], ProfilingAborted)
     assert isinstance(outcome[0], ProfilingAborted)
     assert "rank 1 failed to measure: RuntimeError: GPU fell off the bus" in str(outcome[0])
+
+
+@pytest.mark.parametrize("interrupted", [0, 1])
+def test_an_interrupted_rank_stops_waiting_and_the_others_at_once(interrupted):
+    """A signal on one rank (``interrupt.DeferredSignals`` sets its stop event) ends its
+    wait for the others at the next poll, and its abort ends theirs."""
+    stop = threading.Event()
+    threading.Timer(0.3, stop.set).start()
+    started = time.monotonic()
+    # The other rank is slow to measure, so the interrupted one is waiting when it is set.
+    slow = {1 - interrupted: 0.2}
+    outcome = run_group([0, 1], dist.HashStore(), timeout_s=30.0, delay=slow, budget=50,
+                        stops={interrupted: stop})
+    assert time.monotonic() - started < 5
+    assert isinstance(outcome[interrupted], ProfilingInterrupted)
+    assert isinstance(outcome[1 - interrupted], ProfilingAborted)
+    told = ("leader failed: profiling stopped" if interrupted == 0
+            else "rank 1 stopped: ProfilingInterrupted")
+    assert told in str(outcome[1 - interrupted])
 
 
 def test_a_failing_leader_stops_the_others_at_once():
