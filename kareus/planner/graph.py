@@ -59,13 +59,16 @@ _FIXED = FrontierPoint(0.0, 0.0, (0, None))  # a partition nothing is chosen for
 @dataclass(frozen=True)
 class GraphFrontier:
     """What one graph can cost: its frontier over (k, clock, partition choices), the
-    unrewritten graph per clock (frequency only) and at the default clock (the baseline)."""
+    unrewritten graph per clock (frequency only) and at the default clock (the baseline),
+    and each count's default variant (every collective at its earliest slot, the library's
+    SMs) per clock: nanobatching without a search, the method's "Nanobatching + Perseus"."""
 
     label: str
     graph_hash: str
     points: tuple[FrontierPoint, ...]  # choice: Choice; the front at each clock, fastest first
     frequency_only: tuple[FrontierPoint, ...]
     baseline: FrontierPoint
+    nanobatched: tuple[FrontierPoint, ...] = ()  # k > 1 at its default variant, every clock
 
 
 def graph_frontier(
@@ -89,6 +92,7 @@ def graph_frontier(
         for f, m in unrewritten.items()
     }
     known = {(1, ()): unrewritten}
+    nanobatched: list[FrontierPoint] = []
     for k in counts:
         if k == 1 or k not in analysis.space.nanobatches:
             continue
@@ -97,6 +101,8 @@ def graph_frontier(
         if whole is None:
             continue
         known[(k, tuple(zip(default.slots, default.resources, strict=True)))] = whole
+        nanobatched += [FrontierPoint(m.time_s, m.effective_energy_j, Choice.of(default, f))
+                        for f, m in whole.items()]
         per_clock = [_partition_points(p, profiles, k, clocks)
                      for p in analysis.space.partitions(k)]
         for f, m in whole.items():
@@ -117,6 +123,7 @@ def graph_frontier(
         tuple(map(spelled, _costed(variants_frontier(variants), cost, known))),
         tuple(map(spelled, fronts_by(single, clock_of))),
         FrontierPoint(baseline.time_s, baseline.effective_energy_j, Choice(1)),
+        tuple(map(spelled, nanobatched)),
     )
 
 

@@ -76,3 +76,16 @@ def test_a_partition_runs_k_times_and_its_group_shares_the_energy(planned):
         assert o.effective_energy_j == pytest.approx(2 * point.effective_energy_j / 2)
     # unmeasured clocks of a measured schedule are predicted, never left out alone
     assert len(options) > len({p.knobs.clock_mhz for p in profile.points})
+
+
+def test_the_default_variant_is_kept_at_every_clock_for_nanobatching_without_search(planned):
+    g, analysis, gpu, _, frontier, _ = planned
+    default = analysis.space.default(2)
+    clocks = gpu.search_clocks()
+    assert [o.choice for o in frontier.nanobatched] == [
+        Choice.of(default, DEFAULT_CLOCK_MHZ if f == clocks[0] else f) for f in clocks
+    ]
+    costs = gpu.estimate_at(apply(g.gm, analysis, Choice.of(default)), clocks, 2)
+    assert [(o.time_s, o.effective_energy_j) for o in frontier.nanobatched] == [
+        (costs[f].time_s, costs[f].effective_energy_j) for f in clocks
+    ]
