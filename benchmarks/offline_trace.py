@@ -66,8 +66,20 @@ def main(argv: list[str] | None = None) -> int:
                   f"{instruction}: {', '.join(f'{g.label} x{n}' for g, n in graphs)}; "
                   f"baseline {base.time_s * 1e3:.2f} ms, {base.effective_energy_j:.2f} J")
         rows.append(row)
-    points = {g.label: len(g.points) for g in traced.graphs}
-    print(f"frontier points per graph: {points}")
+    graphs = {
+        g.label: {
+            "points": len(g.points),
+            "baseline_ms": g.baseline.time_s * 1e3,
+            "baseline_effective_j": g.baseline.effective_energy_j,
+            "fastest_ms": min(o.time_s for o in g.points) * 1e3,
+            "least_effective_j": min(o.effective_energy_j for o in g.points),
+        }
+        for g in traced.graphs
+    }
+    for label, g in graphs.items():
+        print(f"{label}: {g['points']} frontier points; baseline {g['baseline_ms']:.2f} ms, "
+              f"{g['baseline_effective_j']:.3f} J; fastest {g['fastest_ms']:.2f} ms; "
+              f"least energy {g['least_effective_j']:.3f} J (effective)")
     print(f"traced and profiled in {seconds:.1f} s (profile store {cache_dir})")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -76,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             "microbatch_size": workload.microbatch_size, "seq": workload.seq,
             "sp": workload.sp, "recompute": workload.recompute, "device": args.device,
             "search_budget": args.search_budget, "seconds": seconds,
-            "frontier_points": points, "stages": rows,
+            "graphs": graphs, "stages": rows,
         }, indent=2))
         print(f"wrote {args.out}")
     return 0
