@@ -6,7 +6,8 @@ budgets (``planner.plan``, ``planner.budget``), devices (``devices.errors``: ope
 measuring on and controlling GPUs, real or simulated), profiling (``profiler.measure``,
 ``profiler.search``, ``profiler.store``, ``profiler.exchange``), the runtime
 (``runtime.agreement``, ``runtime.clock``, ``runtime.communicators``), lowering
-(``codegen.lowering``), the bundled model (``models.llama``) and ``show``. All derive from
+(``codegen.lowering``), the bundled model (``models.llama``), offline planning
+(``offline.models``, ``offline.workload``, ``offline.trace``) and ``show``. All derive from
 ``KareusError``, so a caller can catch everything kareus refuses with one ``except``; most
 also keep the builtin they stand for (``ValueError``, ``RuntimeError``...), so code written
 against it still catches them.

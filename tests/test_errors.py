@@ -22,7 +22,10 @@ from kareus.devices.errors import (
     UntracedGraphError,
 )
 from kareus.errors import KareusError
-from kareus.models.llama import TensorParallelDegreeError
+from kareus.models.llama import ModelConfigError, TensorParallelDegreeError
+from kareus.offline.models import HFConfigError, MissingDependencyError, UnknownModelError
+from kareus.offline.trace import TraceError
+from kareus.offline.workload import WorkloadError
 from kareus.profiler.exchange import UnreadableInstructionError
 from kareus.profiler.measure import GroupMeasurementError, MeasurementProtocolError
 from kareus.profiler.search import SearchBudgetError, SearchSpaceError
@@ -156,6 +159,12 @@ def test_every_exception_class_kareus_defines_is_a_kareus_error() -> None:
         (NotAClockControllerError, TypeError),
         (UnknownLoweringError, ValueError),
         (TensorParallelDegreeError, ValueError),
+        (ModelConfigError, ValueError),
+        (UnknownModelError, ValueError),
+        (HFConfigError, ValueError),
+        (MissingDependencyError, ImportError),
+        (WorkloadError, ValueError),
+        (TraceError, RuntimeError),
     ],
 )
 def test_each_error_is_a_kareus_error_and_still_its_builtin(

@@ -22,6 +22,10 @@ ALLOWED: dict[str, set[str]] = {
     "profiler": {"codegen", "devices", "runtime", "passes"},
     "planner": {"profiler", "devices", "codegen", "runtime", "passes"},
     "models": set(),
+    # glue above the planner: every stage, the bundled model, and the top-level backend
+    # and options (nothing else of the top level: cli and demo sit above it)
+    "offline": {"planner", "profiler", "devices", "codegen", "runtime", "passes", "models",
+                "backend", "options"},
 }
 """What each package may import besides itself and the foundation; the top-level modules
 (backend, options, reports, show, cli, demo, verify) may import anything."""
@@ -97,6 +101,13 @@ def test_packages_import_one_way():
     ("kareus.runtime.selectable", "kareus.planner.plan", False),
     ("kareus.profiler.store", "kareus", False),
     ("kareus.backend", "kareus.planner.step", True),
+    ("kareus.offline.trace", "kareus.backend", True),
+    ("kareus.offline.trace", "kareus.planner.step", True),
+    ("kareus.offline.models", "kareus.models.llama", True),
+    ("kareus.offline.trace", "kareus.cli", False),
+    ("kareus.offline.trace", "kareus.demo", False),
+    ("kareus.planner.step", "kareus.offline.trace", False),
+    ("kareus.models.llama", "kareus.offline", False),
 ])
 def test_the_rule_reads_edges_as_the_layout_says(source, target, allowed):
     assert _edge_allowed(source, target) is allowed

@@ -1,14 +1,17 @@
-"""A small Llama-style decoder and its tensor-parallel plans.
+"""A Llama-family decoder and its tensor-parallel plans.
 
-Used by ``kareus demo``, the tests and the benchmarks: RMSNorm, rotary embeddings,
-multi-head attention through ``scaled_dot_product_attention`` and a SwiGLU MLP, sharded
-with PyTorch's own tensor-parallel API so the compiled graphs carry real functional
-collectives.
+Used by ``kareus demo``, the tests, the benchmarks and offline planning
+(``kareus.offline``): RMSNorm, rotary embeddings, attention through
+``scaled_dot_product_attention`` (multi-head, or grouped-query with fewer key/value heads
+than query heads, as Llama 3 and Qwen3 have; optionally Qwen3's RMS norm of each query and
+key head before the rotation) and a SwiGLU MLP, sharded with PyTorch's own
+tensor-parallel API so the compiled graphs carry real functional collectives.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -29,6 +32,17 @@ class ModelConfigError(KareusError, ValueError):
 
 @dataclass(frozen=True)
 class LlamaConfig:
+    """A Llama-family model's shapes.
+
+    ``n_kv_heads``: the key/value heads (None: ``n_heads``, multi-head attention; fewer:
+    grouped-query attention, each key/value head shared by ``n_heads // n_kv_heads`` query
+    heads). ``head_dim``: each head's width (None: ``dim // n_heads``; Qwen3 gives its own,
+    so ``n_heads * head_dim`` may differ from ``dim``). ``qk_norm``: RMS-norm each query and
+    key head before the rotation (Qwen3). Both Nones are resolved when the config is made,
+    so a ``dataclasses.replace`` that changes ``n_heads`` or ``dim`` keeps the resolved
+    values: give them again.
+    """
+
     vocab_size: int = 256
     dim: int = 64
     n_layers: int = 2
@@ -37,24 +51,57 @@ class LlamaConfig:
     max_seq_len: int = 64
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    n_kv_heads: int | None = None
+    head_dim: int | None = None
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         # Here, not at the first forward: a shape that cannot run fails where it is given.
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "ffn_dim", "max_seq_len"):
+            _check_count(name, getattr(self, name))
+        for name in ("n_kv_heads", "head_dim"):
+            if getattr(self, name) is not None:
+                _check_count(name, getattr(self, name))
+        for name in ("norm_eps", "rope_theta"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ModelConfigError(f"Llama {name} must be an integer >= 1, got {value!r}")
-        if self.dim % self.n_heads or self.dim // self.n_heads % 2:
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not 0 < value < math.inf):
+                raise ModelConfigError(f"Llama {name} must be a finite number > 0, got {value!r}")
+        if not isinstance(self.qk_norm, bool):
+            raise ModelConfigError(f"Llama qk_norm must be True or False, got {self.qk_norm!r}")
+        if self.head_dim is None:
+            if self.dim % self.n_heads or self.dim // self.n_heads % 2:
+                raise ModelConfigError(
+                    f"Llama dim {self.dim} must split into {self.n_heads} heads of an even width "
+                    "(rotary embeddings rotate pairs of a head's channels)"
+                )
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        elif self.head_dim % 2:
             raise ModelConfigError(
-                f"Llama dim {self.dim} must split into {self.n_heads} heads of an even width "
+                f"Llama head_dim {self.head_dim} must be even "
                 "(rotary embeddings rotate pairs of a head's channels)"
+            )
+        if self.n_kv_heads is None:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        elif self.n_heads % self.n_kv_heads:
+            raise ModelConfigError(
+                f"Llama n_heads {self.n_heads} must be a multiple of n_kv_heads "
+                f"{self.n_kv_heads} (each key/value head serves a group of query heads)"
             )
 
     @property
     def parameters(self) -> int:
         """Weights in the model: embeddings, output, norms, and per layer attention and MLP."""
-        layer = 4 * self.dim * self.dim + 3 * self.dim * self.ffn_dim + 2 * self.dim
+        q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        attention = 2 * self.dim * q + 2 * self.dim * kv + (2 * self.head_dim if self.qk_norm
+                                                             else 0)
+        layer = attention + 3 * self.dim * self.ffn_dim + 2 * self.dim
         return 2 * self.vocab_size * self.dim + self.dim + self.n_layers * layer
+
+
+def _check_count(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ModelConfigError(f"Llama {name} must be an integer >= 1, got {value!r}")
 
 
 class RMSNorm(nn.Module):
@@ -68,7 +115,7 @@ class RMSNorm(nn.Module):
 
 
 def rotary_tables(cfg: LlamaConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    head_dim = cfg.dim // cfg.n_heads
+    head_dim = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
     angles = torch.outer(torch.arange(cfg.max_seq_len).float(), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
@@ -84,13 +131,22 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
+    """Causal self-attention; grouped-query where ``cfg.n_kv_heads < cfg.n_heads`` (SDPA's
+    ``enable_gqa``: each key/value head serves ``n_heads // n_kv_heads`` consecutive query
+    heads, as repeating it that many times along the heads would)."""
+
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.head_dim = cfg.dim // cfg.n_heads
-        self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.head_dim = cfg.head_dim
+        q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, q, bias=False)
+        self.wk = nn.Linear(cfg.dim, kv, bias=False)
+        self.wv = nn.Linear(cfg.dim, kv, bias=False)
+        self.wo = nn.Linear(q, cfg.dim, bias=False)
+        self.grouped = cfg.n_kv_heads < cfg.n_heads
+        # None where unused (no weights): a plain Llama's state dict is as it was.
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         bsz, seq = x.shape[0], x.shape[1]
@@ -98,9 +154,12 @@ class Attention(nn.Module):
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
         k = self.wk(x).view(bsz, seq, -1, self.head_dim)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+            enable_gqa=self.grouped,
         )
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
@@ -149,20 +208,27 @@ class Llama(nn.Module):
 
 
 def check_tensor_parallel(cfg: LlamaConfig, degree: int) -> None:
-    """Refuse a degree the heads or the FFN width do not split evenly over."""
-    if cfg.n_heads % degree or cfg.ffn_dim % degree:
+    """Refuse a degree the query heads, key/value heads or FFN width do not split evenly
+    over (the plan shards q, k and v column-wise by heads, the MLP by its hidden width),
+    naming which."""
+    widths = (("heads", cfg.n_heads), ("KV heads", cfg.n_kv_heads), ("ffn_dim", cfg.ffn_dim))
+    uneven = [f"{name} ({n})" for name, n in widths if n % degree]
+    if uneven:
+        listed = ", ".join(uneven[:-1]) + " and " + uneven[-1] if len(uneven) > 1 else uneven[0]
         raise TensorParallelDegreeError(
-            f"heads ({cfg.n_heads}) and ffn_dim ({cfg.ffn_dim}) must be "
-            f"divisible by the tensor-parallel degree {degree}"
+            f"{listed} must be divisible by the tensor-parallel degree {degree}"
         )
 
 
 def parallelize_llama(model: Llama, mesh, *, sequence_parallel: bool = False) -> Llama:
     """Shard ``model`` in place over the 1-D ``mesh`` the way torchtitan does for Llama.
 
-    Attention heads and the MLP hidden dim are split across ranks (column-wise in,
-    row-wise out); with ``sequence_parallel`` the norms and residual stream are also
-    split along the sequence, turning all-reduces into all-gather / reduce-scatter pairs.
+    Attention heads (query and key/value alike) and the MLP hidden dim are split across
+    ranks (column-wise in, row-wise out); with ``sequence_parallel`` the norms and residual
+    stream are also split along the sequence, turning all-reduces into all-gather /
+    reduce-scatter pairs. Qwen3's per-head query and key norms see their rank's heads
+    (torchtitan's plan for Qwen3: sequence-parallel over the heads dim), so their weights'
+    gradients are summed over the ranks.
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
@@ -196,6 +262,11 @@ def parallelize_llama(model: Llama, mesh, *, sequence_parallel: bool = False) ->
             "feed_forward.w3": ColwiseParallel(),
             "feed_forward.w2": RowwiseParallel(output_layouts=residual),
         }
+        if model.cfg.qk_norm:
+            plan |= {
+                name: SequenceParallel(sequence_dim=2, use_local_output=True)
+                for name in ("attention.q_norm", "attention.k_norm")
+            }
         if sequence_parallel:
             plan |= {
                 "attention_norm": SequenceParallel(),
@@ -213,10 +284,13 @@ def parallelize_llama(model: Llama, mesh, *, sequence_parallel: bool = False) ->
 
 
 @contextlib.contextmanager
-def fake_parallel_llama(cfg: LlamaConfig, tp: int) -> Iterator[Llama]:
+def fake_parallel_llama(
+    cfg: LlamaConfig, tp: int, *, sequence_parallel: bool = False
+) -> Iterator[Llama]:
     """A bf16 ``Llama(cfg)`` over fake tensors (nothing allocated), tensor-parallel over the
-    first ``tp`` ranks of the default group (a fake one will do); costing and tracing a
-    large model on a CPU. Inside, fake mode is on and bf16 is the default dtype."""
+    first ``tp`` ranks of the default group (a fake one will do; ``parallelize_llama``'s
+    plan); costing and tracing a large model on a CPU. Inside, fake mode is on and bf16 is
+    the default dtype."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -225,6 +299,6 @@ def fake_parallel_llama(cfg: LlamaConfig, tp: int) -> Iterator[Llama]:
     try:
         with FakeTensorMode():
             torch.set_default_dtype(torch.bfloat16)  # fake parameters cannot be cast later
-            yield parallelize_llama(Llama(cfg), mesh)
+            yield parallelize_llama(Llama(cfg), mesh, sequence_parallel=sequence_parallel)
     finally:
         torch.set_default_dtype(default_dtype)

@@ -202,15 +202,21 @@ class StepPlanner:
     def groups(self) -> tuple[str, ...]:
         return tuple(sorted({n for g in self._graphs.values() for n in g.groups}))
 
-    def make(self) -> Plan:
-        """The step's plan: forwards in region order, then backwards in reverse (the order
-        a step runs them), under the budget (a ``BudgetError`` where none meets it)."""
+    def frontiers(self) -> tuple[tuple[str, int, GraphFrontier], ...]:
+        """Each planned graph compiled so far as (kind, region, frontier), in the order a
+        step runs them: forwards (and inference graphs) in region order, then backwards in
+        reverse. A graph that could not be planned has none and is not listed."""
         order = {"forward": 0, "inference": 0, "backward": 1}
         graphs = sorted(self._graphs.values(),
                         key=lambda g: (order[g.kind], g.region if g.kind != "backward"
                                        else -g.region))
-        return make_plan([g.frontier for g in graphs], self.budget, self.device, self.options,
-                         self.kareus_version, self.microbatches)
+        return tuple((g.kind, g.region, g.frontier) for g in graphs)
+
+    def make(self) -> Plan:
+        """The step's plan: its graphs in step order (``frontiers``), under the budget (a
+        ``BudgetError`` where none meets it)."""
+        return make_plan([f for _, _, f in self.frontiers()], self.budget, self.device,
+                         self.options, self.kareus_version, self.microbatches)
 
     def adopt(self, plan: Plan, store: bool = True) -> None:
         """Run ``plan`` from now on (and store it for the next run)."""
