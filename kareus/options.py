@@ -87,6 +87,16 @@ class KareusOptions:
             "earlier once the frontier stops improving)",
         },
     )
+    search: str = dataclasses.field(
+        default="bayesian",
+        metadata={
+            "choices": ("bayesian", "grid"),
+            "doc": "how a partition is searched: bayesian: multi-objective Bayesian "
+            "optimisation within search_budget; grid: every variant, search_budget aside "
+            "(slots x SMs x clocks measurements: instant on a simulated GPU, seconds each on "
+            "a real one)",
+        },
+    )
     seed: int = dataclasses.field(
         default=0,
         metadata={
@@ -230,7 +240,7 @@ class KareusOptions:
         from kareus.profiler.profile import Settings
 
         return Settings(self.profile, self.search_budget, self.seed, self.agreement_timeout_s,
-                        protocol)
+                        protocol, self.search)
 
     @property
     def plan_counts(self) -> tuple[int, ...] | None:

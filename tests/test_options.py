@@ -43,7 +43,7 @@ def test_custom_gpu_file_is_a_device(tmp_path):
                 "unknown kareus option 'lowerin'; "
                 "accepted options: agreement_timeout_s, cache_dir, device, energy_budget, "
                 "energy_time_tradeoff, explain, lowering, microbatches, nanobatches, plan, "
-                "profile, search_budget, seed, time_budget, verify"
+                "profile, search, search_budget, seed, time_budget, verify"
             ),
         ),
         (
@@ -60,6 +60,10 @@ def test_custom_gpu_file_is_a_device(tmp_path):
             "kareus option 'profile': got 'on' (str); accepted: 'auto' | 'off' | 'refresh'",
         ),
         ({"search_budget": 0}, "kareus option 'search_budget': got 0 (int); must be >= 1"),
+        (
+            {"search": "random"},
+            "kareus option 'search': got 'random' (str); accepted: 'bayesian' | 'grid'",
+        ),
         ({"search_budget": 8.0}, "kareus option 'search_budget': got 8.0 (float); not an integer"),
         ({"seed": "1"}, "kareus option 'seed': got '1' (str); accepted: int"),
         ({"cache_dir": ""}, "kareus option 'cache_dir': got '' (str); empty"),

@@ -29,7 +29,15 @@ from kareus.passes.variants import PartitionChoices
 from kareus.profiler.exchange import ProfilingAborted, Team
 from kareus.profiler.interrupt import check
 from kareus.profiler.measure import Protocol, measure_variant
-from kareus.profiler.search import Config, Point, SearchResult, Space, pareto, search
+from kareus.profiler.search import (
+    Config,
+    Point,
+    SearchResult,
+    Space,
+    exhaustive,
+    pareto,
+    search,
+)
 from kareus.profiler.store import Knobs, ProfileKey, ProfileStore, SearchRecord
 from kareus.profiler.workloads import Lower, partition_workload
 from kareus.runtime.communicators import Communicators
@@ -48,6 +56,7 @@ class Settings:
     seed: int = 0
     timeout_s: float = 120.0  # how long a rank waits for the others of its group
     protocol: Protocol = field(default_factory=Protocol)
+    strategy: str = "bayesian"  # "bayesian": ``search`` within ``budget`` | "grid": every variant
 
 
 @dataclass(frozen=True)
@@ -219,9 +228,11 @@ class _Search:
         return self._profile(result)
 
     def _lead(self, progress: Progress | None) -> SearchResult:
+        grid = self.settings.strategy == "grid"
         search_id = json.dumps({
             "nanobatches": self.k, "slots": self.space.slots, "resources": self.space.resources,
-            "budget": self.settings.budget, "seed": self.settings.seed,
+            **({"strategy": "grid"} if grid else
+               {"budget": self.settings.budget, "seed": self.settings.seed}),
         })
         if self.settings.mode == "auto" and (replayed := self._replay(search_id)) is not None:
             self.team.finish(0, replayed, self.measured)
@@ -241,11 +252,15 @@ class _Search:
             self.measured[config] = m
             points.append(Point.of(config, m))
             if progress is not None:
-                progress(self.label, len(points), min(self.settings.budget, self.space.size),
-                         points)
+                total = self.space.size if grid else min(self.settings.budget, self.space.size)
+                progress(self.label, len(points), total, points)
             return m
 
-        result = search(self.space, evaluate, budget=self.settings.budget, seed=self.settings.seed)
+        if grid:
+            result = SearchResult(exhaustive(self.space, evaluate), "exhausted")
+        else:
+            result = search(self.space, evaluate, budget=self.settings.budget,
+                            seed=self.settings.seed)
         self.store.record_search(self.key, search_id, SearchRecord(
             tuple(self._knobs(p.config) for p in result.points), result.stopped,
             tuple(result.hypervolumes),

@@ -70,6 +70,21 @@ def test_each_distinct_partition_is_searched_once_into_the_store(graphs, tmp_pat
             assert key == ProfileKey(p.key, GPU, p.model_version, key.clocks, 2)
 
 
+def test_a_grid_measures_every_variant_once_and_is_replayed_from_the_store(
+    graphs, tmp_path, counted
+):
+    with ProfileStore(cache_dir=tmp_path) as store:
+        profiles = _profile(graphs, store, budget=3, strategy="grid")
+        assert all(p.error is None and p.stopped == "exhausted" for p in profiles)
+        assert [p.evaluations for p in profiles] == [p.space_size for p in profiles]
+        assert len(counted) == len(set(counted)) == sum(p.space_size for p in profiles)
+        assert any(p.space_size > 3 for p in profiles)  # the budget is not the grid's
+        measured = len(counted)
+        again = _profile(graphs, store, budget=3, strategy="grid")
+        assert len(counted) == measured and all(p.measured == 0 for p in again)
+        assert [p.frontier for p in again] == [p.frontier for p in profiles]
+
+
 def test_a_second_profile_with_the_same_store_measures_nothing(graphs, tmp_path, counted):
     with ProfileStore(cache_dir=tmp_path) as store:
         first = _profile(graphs, store, budget=10)
