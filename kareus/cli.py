@@ -36,17 +36,34 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--dim", type=_positive, default=512, help="model width")
     demo.add_argument("--batch", type=_positive, default=8)
     demo.add_argument("--seq-len", type=_positive, default=128)
-    budget = demo.add_mutually_exclusive_group()
-    budget.add_argument("--time-budget", default=None, help='a fraction of the baseline '
-                        'step time (1.1, the default when no budget is given) or "12 ms"')
-    budget.add_argument("--energy-budget", default=None,
-                        help='a fraction of the baseline step energy (0.95) or "2 J"')
-    budget.add_argument("--energy-time-tradeoff", type=float, default=None,
-                        help="Zeus's eta in [0, 1]")
-    budget.add_argument("--fastest", action="store_true",
-                        help="no budget: the least energy no slower than the fastest plan")
+    _add_budget(demo, default="1.1")
     demo.add_argument("--out", default="kareus-demo-plan.png",
                       help="the frontier plot (the plan goes beside it as .json)")
+    plan = sub.add_parser(
+        "plan", help="plan a model's training iteration offline on a simulated GPU, beside "
+        "the baseline and Perseus",
+    )
+    add_workload_arguments(plan)
+    plan.add_argument("--device", default="sim:a100-sxm4-40gb",
+                      help='a simulated GPU: "sim:<preset>" or a GPU .json')
+    _add_budget(plan, default="the fastest plan")
+    plan.add_argument("--json", default="kareus-plan.json",
+                      help="the result JSON (frontiers, chosen plan, metrics)")
+    plan.add_argument("--png", default=None, help="the frontier plot (default: beside --json)")
+    plan.add_argument("--plan-json", default=None,
+                      help="the plan a compile loads as its plan option (default: beside "
+                      "--json, .plan.json); written without pipeline parallelism")
+    plan.add_argument("--cache-dir", default=None, help="the profile store's directory")
+    plan.add_argument("--search", choices=("grid", "bayesian"), default="grid")
+    plan.add_argument("--search-budget", type=_positive, default=32)
+    bench = sub.add_parser(
+        "bench", help="the benchmark suite: kareus, Perseus and the baseline on the method's "
+        "workloads, planned offline on simulated GPUs",
+    )
+    bench.add_argument("--quick", action="store_true", help="one small workload (seconds)")
+    bench.add_argument("--out", default="benchmarks/results",
+                       help="the directory of suite.json and the PNGs")
+    bench.add_argument("--cache-dir", default=None, help="the profile store's directory")
     show = sub.add_parser("show", help="a plan or a profile store: a table and a frontier plot")
     show.add_argument("target", help="a plan JSON file, a profile store file or its directory")
     show.add_argument("--out", default=None,
@@ -56,7 +73,34 @@ def main(argv: list[str] | None = None) -> int:
         level=(logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)],
         format="%(levelname)s %(name)s: %(message)s",
     )
-    return {"demo": _demo, "show": _show}[args.command](args)
+    return {"demo": _demo, "plan": _plan, "bench": _bench, "show": _show}[args.command](args)
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """A model and its layout (``offline.Workload``), shared with the benchmark suite."""
+    parser.add_argument("model", help="a preset (llama3.2-1b, llama3.2-3b, llama3.1-8b, "
+                        "llama3.1-70b, qwen3-1.7b, qwen3-8b) or a Hugging Face config.json")
+    parser.add_argument("--tp", type=_positive, default=8)
+    parser.add_argument("--pp", type=_positive, default=1)
+    parser.add_argument("--microbatches", type=_positive, default=8)
+    parser.add_argument("--microbatch-size", type=_positive, default=8)
+    parser.add_argument("--seq", type=_positive, default=4096)
+    parser.add_argument("--sp", action="store_true", help="sequence parallelism")
+    parser.add_argument("--recompute", choices=("none", "full"), default="none")
+    parser.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
+
+
+def _add_budget(parser: argparse.ArgumentParser, default: str) -> None:
+    what = "step" if default == "1.1" else "iteration"
+    budget = parser.add_mutually_exclusive_group()
+    budget.add_argument("--time-budget", default=None, help=f"a fraction of the baseline {what} "
+                        f'time (1.1) or "12 ms"; with no budget: {default}')
+    budget.add_argument("--energy-budget", default=None,
+                        help=f'a fraction of the baseline {what} energy (0.95) or "2 J"')
+    budget.add_argument("--energy-time-tradeoff", type=float, default=None,
+                        help="Zeus's eta in [0, 1]")
+    budget.add_argument("--fastest", action="store_true",
+                        help="no budget: the least energy no slower than the fastest plan")
 
 
 def _positive(text: str) -> int:
@@ -79,14 +123,29 @@ def _amount(text: str | None) -> float | str | None:
         return text
 
 
-def _budget(args: argparse.Namespace) -> dict[str, object]:
+def _budget(args: argparse.Namespace, default: float | None = 1.1) -> dict[str, object]:
     if args.fastest:
         return {}
     if args.energy_budget is not None:
         return {"energy_budget": _amount(args.energy_budget)}
     if args.energy_time_tradeoff is not None:
         return {"energy_time_tradeoff": args.energy_time_tradeoff}
-    return {"time_budget": _amount(args.time_budget) if args.time_budget else 1.1}
+    if args.time_budget is not None:
+        return {"time_budget": _amount(args.time_budget)}
+    return {} if default is None else {"time_budget": default}
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from kareus.errors import KareusError
+    from kareus.offline.cli import plan_command
+    from kareus.profiler.progress import make_console
+
+    console = make_console()
+    try:
+        plan_command(args, _budget(args, default=None), console)
+    except KareusError as exc:
+        return _refused(console, "plan", exc)
+    return 0
 
 
 def _refused(console: Console, command: str, exc: Exception) -> int:
@@ -96,6 +155,22 @@ def _refused(console: Console, command: str, exc: Exception) -> int:
     console.print(Text.assemble((f"kareus {command}:", "red"), f" {message}"), soft_wrap=True,
                   highlight=False)
     return 2
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kareus.errors import KareusError
+    from kareus.offline.suite import MATRIX, QUICK, run_suite
+    from kareus.profiler.progress import make_console
+
+    console = make_console()
+    try:
+        run_suite(QUICK if args.quick else MATRIX, Path(args.out), console,
+                  cache_dir=args.cache_dir)
+    except KareusError as exc:
+        return _refused(console, "bench", exc)
+    return 0
 
 
 def _show(args: argparse.Namespace) -> int:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -178,25 +178,44 @@ class _Tail(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
 
-def _trace(workload: Workload, backend: KareusBackend) -> TracedModel:
+def run_microbatch(
+    workload: Workload,
+    backend: KareusBackend,
+    compiled: Callable[[str, int], None] = lambda role, block: None,
+) -> None:
+    """One forward and backward of one microbatch through ``workload``'s pieces, compiled
+    per block with ``backend`` on fake tensors (two blocks stand for all of them; under a
+    fake process group of ``workload.tp`` ranks, see ``trace_model``): ``compiled(role,
+    block)`` after each piece's forward ("embed", "block" with its number from 1, "tail")."""
     cfg = dataclasses.replace(workload.traced_model, n_layers=min(2, workload.model.n_layers))
     mb, seq = workload.microbatch_size, workload.seq
-    found = _Regions(backend.planner)
     with fake_parallel_llama(cfg, workload.tp, sequence_parallel=workload.sp) as model:
         embed = torch.compile(model.tok_embeddings, backend=backend)
         blocks = [torch.compile(block, backend=backend) for block in model.layers]
         tail = torch.compile(_Tail(model), backend=backend)
-        tokens = torch.zeros(mb, seq, dtype=torch.long)
-        h = embed(tokens)
-        regions = {"embed": found.new_forward("the token embedding")}
-        h = blocks[0](h, model.rope_cos, model.rope_sin)
-        regions["block"] = found.new_forward("the first transformer block")
-        for i, block in enumerate(blocks[1:], start=2):
+        h = embed(torch.zeros(mb, seq, dtype=torch.long))
+        compiled("embed", 0)
+        for i, block in enumerate(blocks, start=1):
             h = block(h, model.rope_cos, model.rope_sin)
-            found.none_new(f"transformer block {i}")
+            compiled("block", i)
         loss = tail(h, torch.zeros(mb, seq, dtype=torch.long))
-        regions["tail"] = found.new_forward("the tail (norm, output, loss)")
+        compiled("tail", 0)
         loss.backward()
+
+
+def _trace(workload: Workload, backend: KareusBackend) -> TracedModel:
+    found = _Regions(backend.planner)
+    regions: dict[str, int] = {}
+
+    def compiled(role: str, block: int) -> None:
+        if block > 1:
+            found.none_new(f"transformer block {block}")
+        else:
+            what = {"embed": "the token embedding", "block": "the first transformer block",
+                    "tail": "the tail (norm, output, loss)"}[role]
+            regions[role] = found.new_forward(what)
+
+    run_microbatch(workload, backend, compiled)
     return TracedModel(**{role: found.piece(role, region) for role, region in regions.items()})
 
 

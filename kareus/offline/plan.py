@@ -1,0 +1,266 @@
+"""``kareus plan``: a workload's iteration planned offline, beside the baseline and Perseus.
+
+The workload's graphs are traced and profiled for one rank over fake tensors
+(``trace.trace_stages``) on a simulated GPU; every stage's forward and backward
+instruction then has its options under each method (``planner.methods``), and the
+iteration, a 1F1B (or GPipe) DAG of stages x microbatches, is planned over them exactly
+(``planner.pipeline``): per method its frontier of whole iterations, a pipeline replica's
+time (the last stage's finish) and energy (summed over its pp x tp GPUs, static power over
+the whole iteration). The budget picks the kareus plan; the metrics compare the frontiers
+(``metrics``). Every figure is the simulator's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kareus.devices.resolve import resolve_device
+from kareus.errors import KareusError
+from kareus.offline.metrics import max_throughput, reductions, summary
+from kareus.offline.trace import StageGraphs, trace_stages
+from kareus.offline.workload import Workload
+from kareus.planner.budget import Budget, choose
+from kareus.planner.compose import FrontierPoint
+from kareus.planner.methods import (
+    METHODS,
+    InstructionChoice,
+    instruction_clock,
+    instruction_options,
+)
+from kareus.planner.pipeline import (
+    EnergyModel,
+    PipelineDag,
+    PipelinePoint,
+    baseline,
+    gpipe,
+    least_energy,
+    one_f_one_b,
+    pipeline_frontier,
+)
+from kareus.planner.plan import GraphPlan, Plan, StepCost
+
+SCHEDULES: dict[str, Callable[[int, int], PipelineDag]] = {"1f1b": one_f_one_b, "gpipe": gpipe}
+FRONTIER_POINTS = 10  # the method's artifact compares 10-point frontiers
+
+
+class OfflinePlanError(KareusError, ValueError):
+    """An offline plan cannot be made as asked (the message says which input)."""
+
+
+@dataclass(frozen=True)
+class OfflinePlan:
+    """A workload's iteration planned on a device: each method's frontier (the baseline's
+    one point), the kareus plan the budget chose, and the metrics."""
+
+    workload: Workload
+    schedule: str
+    device: str
+    model_version: str | None
+    budget: Budget
+    frontiers: dict[str, list[PipelinePoint]]
+    chosen: PipelinePoint
+    dag: PipelineDag
+    stages: tuple[StageGraphs, ...]
+    static_power_w: float  # one GPU's
+    clock_switch_s: float
+
+    @property
+    def baseline(self) -> PipelinePoint:
+        return self.frontiers["baseline"][0]
+
+    def metrics(self) -> dict[str, Any]:
+        """Against Perseus at each of its points (iso-time energy, iso-energy time), and
+        every method's fastest plan against the baseline."""
+        against = reductions(self.frontiers["kareus"], self.frontiers["perseus"])
+        return {
+            "kareus_vs_perseus": {
+                "points": [dataclasses.asdict(r) for r in against],
+                "energy_at_iso_time": summary([r.energy_at_iso_time for r in against]),
+                "time_at_iso_energy": summary([r.time_at_iso_energy for r in against]),
+            },
+            "max_throughput_vs_baseline": {
+                m: dataclasses.asdict(max_throughput(self.frontiers[m], self.baseline))
+                for m in METHODS if m != "baseline"
+            },
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        """The result JSON: the workload, the device, each frontier fastest first as
+        {time_s, energy_j} per iteration of one replica, the chosen plan, the metrics."""
+        w = self.workload
+        return {
+            "workload": {
+                "model": w.name, "shape": dataclasses.asdict(w.model), "tp": w.tp, "pp": w.pp,
+                "microbatches": w.microbatches, "microbatch_size": w.microbatch_size,
+                "seq": w.seq, "sp": w.sp, "recompute": w.recompute, "schedule": self.schedule,
+                "gpus": w.tp * w.pp,
+            },
+            "device": self.device,
+            "model_version": self.model_version,
+            "modelled": "every figure is the simulated GPU's",
+            "budget": dataclasses.asdict(self.budget),
+            "frontiers": {m: [_cost(p) for p in points] for m, points in self.frontiers.items()},
+            "chosen": {**_cost(self.chosen), "instructions": [
+                {"stage": i.stage, "microbatch": i.microbatch, "kind": i.kind,
+                 **_instruction(c)}
+                for i, c in zip(self.dag.instructions, self.chosen.choices, strict=True)
+            ]},
+            "metrics": self.metrics(),
+        }
+
+
+def plan_offline(
+    workload: Workload,
+    device: str,
+    budget: Budget,
+    *,
+    schedule: str = "1f1b",
+    cache_dir: str | Path | None = None,
+    search: str = "grid",
+    search_budget: int = 32,
+    points: int = FRONTIER_POINTS,
+    stages: Sequence[StageGraphs] | None = None,
+) -> OfflinePlan:
+    """Trace and profile ``workload`` on ``device`` (``stages``: already traced), and plan
+    its iteration under each method; the kareus plan is the one ``budget`` asks for (a
+    ``BudgetError`` stating the range where none meets it)."""
+    if schedule not in SCHEDULES:
+        raise OfflinePlanError(
+            f"schedule: got {schedule!r}; accepted: {', '.join(map(repr, SCHEDULES))}"
+        )
+    gpu = resolve_device(device)
+    if not gpu.deterministic:
+        raise OfflinePlanError(
+            f"device {device!r} is a real GPU; an offline plan needs a simulated one "
+            "(sim:<preset> or a GPU .json)"
+        )
+    dag = SCHEDULES[schedule](workload.pp, workload.microbatches)
+    if stages is None:
+        stages = trace_stages(workload, device, cache_dir=cache_dir, search=search,
+                              search_budget=search_budget)
+    model = energy_model(gpu.static_power_w, gpu.clock_switch_s, workload)
+    frontiers: dict[str, list[PipelinePoint]] = {}
+    for method in METHODS:
+        options = method_options(stages, method, workload.tp)
+        if method == "baseline":
+            only = {key: opts[0] for key, opts in options.items()}
+            frontiers[method] = [baseline(dag, options, only, model=model)]
+        else:
+            frontiers[method] = pipeline_frontier(dag, options, model=model, points=points)
+    kareus, base = frontiers["kareus"], frontiers["baseline"][0]
+    if budget.kind == "time":
+        limit = budget.value if budget.value is not None else budget.fraction * base.time_s
+        if limit >= kareus[0].time_s:  # the exact plan at the limit, not only the 10 points'
+            exact = least_energy(dag, method_options(stages, "kareus", workload.tp),
+                                 time_limit_s=limit, model=model)
+            kareus = sorted({*kareus, exact}, key=lambda p: (p.time_s, p.energy_j))
+    chosen = choose(kareus, base, budget, (gpu.power_limit_w or 0.0) * workload.tp * workload.pp)
+    return OfflinePlan(workload, schedule, gpu.identity, gpu.model_version, budget, frontiers,
+                       chosen, dag, tuple(stages), gpu.static_power_w,
+                       gpu.clock_switch_s)
+
+
+def energy_model(static_power_w: float, clock_switch_s: float, workload: Workload) -> EnergyModel:
+    """A replica's pricing: one GPU's ``static_power_w`` times its pp x tp GPUs over the
+    whole iteration, a blocked GPU at static power (what the simulated GPU draws in a
+    collective), a clock switch a stall of ``clock_switch_s`` (time at static power, no
+    effective energy)."""
+
+    def switch(a: InstructionChoice, b: InstructionChoice) -> tuple[float, float]:
+        return (clock_switch_s if a.clock_mhz != b.clock_mhz else 0.0), 0.0
+
+    return EnergyModel(static_power_w=static_power_w * workload.tp * workload.pp,
+                       switch=switch, switch_key=instruction_clock)
+
+
+def energy_model_of(plan: OfflinePlan) -> EnergyModel:
+    return energy_model(plan.static_power_w, plan.clock_switch_s, plan.workload)
+
+
+def method_options(
+    stages: Sequence[StageGraphs], method: str, tp: int
+) -> dict[tuple[int, str], list[FrontierPoint]]:
+    """Every (stage, kind)'s instruction options under ``method``, its energies summed over
+    the stage's ``tp`` GPUs (they run the same graphs alike)."""
+    options: dict[tuple[int, str], list[FrontierPoint]] = {}
+    for s in stages:
+        for kind, graphs in (("forward", s.forward), ("backward", s.backward)):
+            options[s.stage, kind] = [
+                FrontierPoint(o.time_s, tp * o.effective_energy_j, o.choice)
+                for o in instruction_options(graphs, method)
+            ]
+            if not options[s.stage, kind]:
+                raise OfflinePlanError(
+                    f"stage {s.stage}'s {kind}: no clock at which every graph has a cost "
+                    f"under {method}"
+                )
+    return options
+
+
+def _cost(p: PipelinePoint) -> dict[str, float]:
+    return {"time_s": p.time_s, "energy_j": p.energy_j}
+
+
+def _instruction(c: InstructionChoice) -> dict[str, Any]:
+    return {"clock_mhz": c.clock_mhz, "graphs": [dataclasses.asdict(g) for g in c.graphs]}
+
+
+def step_plan(plan: OfflinePlan, kareus_version: str) -> tuple[Plan | None, str]:
+    """The plan a compile of the workload loads as its ``plan`` option, and what it is;
+    (None, why) where none can say what the chosen iteration runs.
+
+    A compiled graph runs one choice, so the plan has each graph at one choice for every
+    microbatch: without pipeline parallelism, the forward and the backward instruction at
+    one of their options each, the pair ``plan.budget`` picks among all pairs (a
+    per-instruction plan, which may mix choices over microbatches, needs pipeline stages at
+    run time). Its costs are per GPU, as the compile-time planner's."""
+    w = plan.workload
+    if w.pp > 1:
+        return None, ("no plan JSON: with pipeline parallelism the plan is a choice per "
+                      "instruction (in the result JSON), which compiled stages cannot run yet")
+    if w.recompute != "none":
+        return None, ("no plan JSON: with full recomputation a block's forward graph runs in "
+                      "both instructions, where the plan may choose it differently")
+    (stage,) = plan.stages
+    options = method_options(plan.stages, "kareus", w.tp)
+    model = energy_model_of(plan)
+    pairs = [
+        (baseline(plan.dag, options, {(0, "forward"): f, (0, "backward"): b}, model=model),
+         f.choice, b.choice)
+        for f in options[0, "forward"] for b in options[0, "backward"]
+    ]
+    frontier = []
+    for point, f, b in sorted(pairs, key=lambda x: (x[0].time_s, x[0].energy_j)):
+        if not frontier or point.energy_j < frontier[-1][0].energy_j:
+            frontier.append((point, f, b))
+    base = plan.baseline
+    point, f, b = next(x for x in frontier if x[0] == choose([x[0] for x in frontier], base,
+                                                               plan.budget, 0.0))
+    gpus = w.tp * w.pp
+    graphs = []
+    for (graph, _), choice in [*zip(stage.forward, f.graphs), *zip(stage.backward, b.graphs)]:
+        cost = next(o for o in graph.points if o.choice == choice)
+        graphs.append(GraphPlan(graph.label, graph.graph_hash, choice, cost.time_s,
+                                cost.effective_energy_j))
+
+    def per_gpu(p: PipelinePoint) -> StepCost:
+        return StepCost(p.time_s, p.energy_j / gpus)
+
+    return Plan(
+        graphs=tuple(graphs),
+        predicted=per_gpu(point),
+        baseline=per_gpu(base),
+        frontier=tuple(per_gpu(x[0]) for x in frontier),
+        frequency_only=tuple(map(per_gpu, plan.frontiers["perseus"])),
+        budget=plan.budget,
+        device=plan.device,
+        model_version=plan.model_version,
+        static_power_w=plan.static_power_w,
+        options={"microbatches": w.microbatches, "nanobatches": 1},
+        kareus_version=kareus_version,
+    ), (f"each graph at one choice for all {w.microbatches} microbatches: "
+        f"{point.time_s * 1e3:.4g} ms, {point.energy_j:.4g} J per iteration")
