@@ -1,0 +1,482 @@
+"""The pipeline-parallel iteration as a DAG of instructions, planned exactly.
+
+With S stages and M microbatches an iteration is a DAG of instructions (stage,
+microbatch, forward | backward). Each stage runs its instructions one after another in its
+schedule's order (``one_f_one_b``, ``gpipe``); across stages, a microbatch's forward on
+stage s feeds its forward on s + 1, its backward on s + 1 feeds its backward on s, and the
+last stage turns a microbatch's forward into its backward. An instruction starts once its
+predecessors have finished, so the iteration's time T is the DAG's longest path
+(``schedule``).
+
+Each instruction picks one of its options (frontier points of its graph: a time, an
+effective energy and a choice holding a clock). The iteration's energy is Perseus's model
+(Chung et al., SOSP '24):
+
+    E = sum_i e(o_i) + sum of switch joules + P_blocking x sum_s (T - busy_s) + P_static x T
+
+``e``: an option's effective energy (above static); a clock switch, between consecutive
+instructions of a stage whose clocks differ and from a stage's last instruction round to
+its first (the next iteration's), costs what the device says (seconds, effective joules)
+and its seconds delay what follows on that stage (the round-trip one ends the stage
+later). ``busy_s``: the time stage s computes or switches; the rest of T it is blocked on
+another stage, drawing ``P_blocking`` above static (per GPU; 0 on the simulated GPU, where
+a blocked GPU draws exactly its static power). ``P_static``: of all the replica's GPUs
+together, over the whole iteration. A switch's time is not blocked time: its joules price
+it whole.
+
+The planner is exact: a mixed-integer linear program solved by HiGHS
+(``scipy.optimize.milp``) to a zero gap. Binaries x[i, o] pick one option per
+instruction; start times s_i and T are continuous; between consecutive instructions i -> j
+of a stage the switch is a transport w[a, b] >= 0 from i's clock a to j's clock b
+(sum_b w[a, b] = i's indicator of clock a, sum_a w[a, b] = j's of b: with integral
+indicators w is their product, whatever the switch costs); precedence s_j >= s_i + d_i
+(+ the switch's seconds along a stage), T >= every stage's end. Everything is linear:
+sum_s busy_s = sum_i d_i + the switch seconds, so E = sum (e - P_blocking d) x
++ sum (q - P_blocking seconds) w + (S P_blocking + P_static) T. Times are scaled to a
+mean instruction of 1, and energies (and, minimising time, T) to about 1e5 so that
+HiGHS's absolute gap of 1e-6 is about 1e-11 of the optimum; each solution's cost is then
+recomputed exactly from its choices. A solve HiGHS stops before proving optimality (its
+time limit) raises ``PipelineSolveError``: a plan is never returned unproven.
+
+Options are pruned first, exactly: among options of one clock, one that is no faster and
+costs no less e - P_blocking x time than another is never needed (the other shortens no
+path less, changes no switch, and saves at least as much).
+
+We write our own solver rather than use ``lowtime`` (the Perseus authors'), which solves
+a continuous relaxation and ships wheels for few Python versions and platforms.
+"""
+
+from __future__ import annotations
+
+import graphlib
+import itertools
+import math
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import csr_array
+
+from kareus.errors import KareusError
+from kareus.planner.compose import FrontierPoint, Switch, clock_of, fronts_by
+
+KINDS = ("forward", "backward")
+
+Options = Mapping[tuple[int, str], Sequence[FrontierPoint]]
+"""The options of every (stage, kind): each microbatch's instruction of that stage and kind
+picks one of them, on its own."""
+
+
+class PipelineShapeError(KareusError, ValueError):
+    """A pipeline the schedule cannot be built for (too few stages or microbatches)."""
+
+
+class PipelineInputError(KareusError, ValueError):
+    """What was given to plan a pipeline is malformed: a (stage, kind) without options, a
+    baseline not among them, durations of another length than the instructions."""
+
+
+class PipelineTimeLimitError(KareusError, ValueError):
+    """No plan of the pipeline finishes an iteration within the time limit."""
+
+
+class PipelineSolveError(KareusError, RuntimeError):
+    """HiGHS stopped before proving its plan optimal (its time limit, or numerical
+    trouble)."""
+
+
+@dataclass(frozen=True)
+class Instruction:
+    stage: int
+    microbatch: int
+    kind: str  # "forward" | "backward"
+
+
+@dataclass(frozen=True)
+class PipelineDag:
+    """An iteration's instructions, each stage's execution order (indices into
+    ``instructions``, a stage's in the order it runs them) and the dependency edges
+    (predecessor, successor), the stage orders' included."""
+
+    stages: int
+    microbatches: int
+    instructions: tuple[Instruction, ...]
+    stage_orders: tuple[tuple[int, ...], ...]
+    edges: tuple[tuple[int, int], ...]
+
+
+def one_f_one_b(stages: int, microbatches: int) -> PipelineDag:
+    """1F1B: stage s warms up with S - s - 1 forwards, then alternates one forward and one
+    backward, then cools down with the remaining backwards; it keeps at most S - s
+    microbatches' activations. Needs at least as many microbatches as stages."""
+    _check_shape(stages, microbatches)
+    if microbatches < stages:
+        raise PipelineShapeError(
+            f"1F1B needs at least as many microbatches as stages: got {microbatches} for "
+            f"{stages} stages (use gpipe, or more microbatches)"
+        )
+    orders = []
+    for s in range(stages):
+        warm = stages - s - 1
+        steady = [(kind, m) for k in range(microbatches - warm)
+                  for kind, m in (("forward", warm + k), ("backward", k))]
+        orders.append([("forward", m) for m in range(warm)] + steady
+                      + [("backward", m) for m in range(microbatches - warm, microbatches)])
+    return _dag(stages, microbatches, orders)
+
+
+def gpipe(stages: int, microbatches: int) -> PipelineDag:
+    """GPipe: every stage runs all its forwards, then all its backwards."""
+    _check_shape(stages, microbatches)
+    order = ([("forward", m) for m in range(microbatches)]
+             + [("backward", m) for m in range(microbatches)])
+    return _dag(stages, microbatches, [order] * stages)
+
+
+def _check_shape(stages: int, microbatches: int) -> None:
+    for name, n in (("stages", stages), ("microbatches", microbatches)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise PipelineShapeError(f"{name}: got {n!r}; accepted: an integer >= 1")
+
+
+def _dag(
+    stages: int, microbatches: int, orders: Sequence[Sequence[tuple[str, int]]]
+) -> PipelineDag:
+    """The DAG of stages running ``orders`` ((kind, microbatch) per stage, in order)."""
+    instructions = tuple(Instruction(s, m, kind) for s, order in enumerate(orders)
+                         for kind, m in order)
+    index = {(i.stage, i.microbatch, i.kind): n for n, i in enumerate(instructions)}
+    stage_orders = tuple(tuple(index[s, m, kind] for kind, m in order)
+                         for s, order in enumerate(orders))
+    edges = {(a, b): None for order in stage_orders for a, b in itertools.pairwise(order)}
+    last = stages - 1
+    for m in range(microbatches):
+        for s in range(last):
+            edges[index[s, m, "forward"], index[s + 1, m, "forward"]] = None
+            edges[index[s + 1, m, "backward"], index[s, m, "backward"]] = None
+        edges[index[last, m, "forward"], index[last, m, "backward"]] = None
+    return PipelineDag(stages, microbatches, instructions, stage_orders, tuple(edges))
+
+
+def schedule(
+    dag: PipelineDag, durations: Sequence[float], switch_s: Sequence[float] | None = None
+) -> tuple[tuple[float, ...], float]:
+    """Each instruction's earliest start and the makespan, given each one's duration and
+    the seconds of the clock switch after it on its stage (``switch_s``; a stage's last:
+    into the next iteration, ending the stage later)."""
+    n = len(dag.instructions)
+    switch_s = [0.0] * n if switch_s is None else switch_s
+    if len(durations) != n or len(switch_s) != n:
+        raise PipelineInputError(
+            f"durations and switch_s: got {len(durations)} and {len(switch_s)}; accepted: one "
+            f"per instruction ({n})"
+        )
+    follows = {b: a for order in dag.stage_orders for a, b in itertools.pairwise(order)}
+    preds: dict[int, list[int]] = {i: [] for i in range(n)}
+    for a, b in dag.edges:
+        preds[b].append(a)
+    start = [0.0] * n
+    for i in graphlib.TopologicalSorter(preds).static_order():
+        start[i] = max((start[a] + durations[a] + (switch_s[a] if follows.get(i) == a else 0.0)
+                        for a in preds[i]), default=0.0)
+    makespan = max(start[order[-1]] + durations[order[-1]] + switch_s[order[-1]]
+                   for order in dag.stage_orders)
+    return tuple(start), makespan
+
+
+def _free_switch(a: Hashable, b: Hashable) -> tuple[float, float]:
+    return 0.0, 0.0
+
+
+@dataclass(frozen=True)
+class EnergyModel:
+    """How an iteration's energy is priced (the module docstring's model): the static
+    power of all the replica's GPUs, summed; the power above static a GPU draws blocked on
+    another stage; a clock switch's (seconds, effective joules), which must depend on its
+    choices only through ``switch_key`` (their clock)."""
+
+    static_power_w: float
+    blocking_power_w: float = 0.0
+    switch: Switch = _free_switch
+    switch_key: Callable[[Any], Hashable] = clock_of
+
+
+@dataclass(frozen=True)
+class PipelinePoint:
+    """A plan of the iteration: one option's choice per instruction (in
+    ``dag.instructions`` order), and the iteration's time, energy and energy above static."""
+
+    time_s: float
+    energy_j: float
+    effective_energy_j: float
+    choices: tuple[Any, ...]
+
+
+def least_energy(
+    dag: PipelineDag,
+    options: Options,
+    *,
+    time_limit_s: float | None,
+    model: EnergyModel,
+    max_solve_s: float | None = None,
+) -> PipelinePoint:
+    """The plan of least energy whose iteration takes at most ``time_limit_s`` (None: any
+    time); a ``PipelineTimeLimitError`` stating the range plans reach where none is fast
+    enough. ``max_solve_s`` bounds HiGHS's time (a ``PipelineSolveError`` past it)."""
+    if time_limit_s is not None and math.isnan(time_limit_s):
+        raise PipelineInputError("time_limit_s: got nan; accepted: seconds, or None")
+    return _Solver(dag, options, model, max_solve_s).least_energy(time_limit_s)
+
+
+def fastest(
+    dag: PipelineDag, options: Options, *, model: EnergyModel, max_solve_s: float | None = None
+) -> PipelinePoint:
+    """The plan of the shortest iteration and, of those, the least energy."""
+    return _Solver(dag, options, model, max_solve_s).fastest()
+
+
+def pipeline_frontier(
+    dag: PipelineDag,
+    options: Options,
+    *,
+    model: EnergyModel,
+    points: int = 10,
+    max_solve_s: float | None = None,
+) -> list[PipelinePoint]:
+    """The fastest plan, the least-energy plan, and the least-energy plans within time
+    limits evenly spaced between theirs: ``points`` limits in all, fewer plans where two
+    limits find the same or one dominates another; fastest first."""
+    if isinstance(points, bool) or not isinstance(points, int) or points < 2:
+        raise PipelineInputError(
+            f"points: got {points!r}; accepted: an integer >= 2 (the fastest and the "
+            "least-energy plan, and plans between)"
+        )
+    solver = _Solver(dag, options, model, max_solve_s)
+    quick, frugal = solver.fastest(), solver.least_energy(None)
+    found = [quick, frugal]
+    if frugal.time_s > quick.time_s:
+        step = (frugal.time_s - quick.time_s) / (points - 1)
+        found += [solver.least_energy(quick.time_s + k * step) for k in range(1, points - 1)]
+    kept: list[PipelinePoint] = []
+    for p in sorted(found, key=lambda p: (p.time_s, p.energy_j)):
+        if not kept or p.energy_j < kept[-1].energy_j:
+            kept.append(p)
+    return kept
+
+
+def baseline(
+    dag: PipelineDag,
+    options: Options,
+    baseline_of: Mapping[tuple[int, str], FrontierPoint],
+    *,
+    model: EnergyModel,
+) -> PipelinePoint:
+    """The iteration with every instruction at its (stage, kind)'s baseline option (one of
+    its options: the baseline is then a plan the planner weighs)."""
+    _check_options(dag, options)
+    for key in _kinds(dag):
+        if baseline_of.get(key) not in options[key]:
+            raise PipelineInputError(
+                f"baseline_of[{key!r}]: got {baseline_of.get(key)!r}; accepted: one of the "
+                f"{len(options[key])} options of stage {key[0]}'s {key[1]}"
+            )
+    return _evaluate(dag, model, [baseline_of[i.stage, i.kind] for i in dag.instructions])
+
+
+def _kinds(dag: PipelineDag) -> list[tuple[int, str]]:
+    return [(s, kind) for s in range(dag.stages) for kind in KINDS]
+
+
+def _check_options(dag: PipelineDag, options: Options) -> None:
+    for s, kind in _kinds(dag):
+        if not options.get((s, kind)):
+            raise PipelineInputError(
+                f"options[({s}, {kind!r})]: none given; accepted: at least one "
+                "FrontierPoint for every (stage, kind) of the pipeline"
+            )
+
+
+def _evaluate(
+    dag: PipelineDag, model: EnergyModel, picks: Sequence[FrontierPoint]
+) -> PipelinePoint:
+    """What the iteration costs with ``picks`` (one option per instruction), exactly."""
+    switch_s = [0.0] * len(picks)
+    switch_j = 0.0
+    for order in dag.stage_orders:
+        for i, j in zip(order, order[1:] + order[:1]):
+            a, b = picks[i].choice, picks[j].choice
+            if model.switch_key(a) != model.switch_key(b):
+                switch_s[i], joules = model.switch(a, b)
+                switch_j += joules
+    durations = [p.time_s for p in picks]
+    _, makespan = schedule(dag, durations, switch_s)
+    blocked = dag.stages * makespan - sum(durations) - sum(switch_s)
+    effective = (sum(p.effective_energy_j for p in picks) + switch_j
+                 + model.blocking_power_w * blocked)
+    return PipelinePoint(makespan, effective + model.static_power_w * makespan, effective,
+                         tuple(p.choice for p in picks))
+
+
+class _Program:
+    """A sparse linear program, built a column and a row at a time."""
+
+    def __init__(self) -> None:
+        self.cost: list[float] = []
+        self.upper: list[float] = []
+        self.entries: list[tuple[int, int, float]] = []
+        self.bounds: list[tuple[float, float]] = []
+
+    def column(self, cost: float, upper: float) -> int:
+        self.cost.append(cost)
+        self.upper.append(upper)
+        return len(self.cost) - 1
+
+    def row(self, terms: Sequence[tuple[int, float]], low: float, high: float) -> None:
+        self.entries.extend((len(self.bounds), col, v) for col, v in terms)
+        self.bounds.append((low, high))
+
+    def constraints(self) -> LinearConstraint:
+        r, c, v = zip(*self.entries)
+        low, high = zip(*self.bounds)
+        return LinearConstraint(csr_array((v, (r, c)), shape=(len(low), len(self.cost))),
+                                low, high)
+
+
+class _Solver:
+    """The mixed-integer program of one DAG, options and energy model (the module
+    docstring's), built once and solved for any time limit."""
+
+    def __init__(self, dag: PipelineDag, options: Options, model: EnergyModel,
+                 max_solve_s: float | None) -> None:
+        _check_options(dag, options)
+        self.dag, self.model, self.max_solve_s = dag, model, max_solve_s
+        pruned = {key: _prune(options[key], model) for key in _kinds(dag)}
+        self.options = [pruned[i.stage, i.kind] for i in dag.instructions]
+        times = [o.time_s for opts in self.options for o in opts]
+        self.time_unit = (sum(times) / len(times)) or 1.0
+        block = dag.stages * model.blocking_power_w
+        reference = sum(max(abs(o.effective_energy_j) + (model.static_power_w + block)
+                            * o.time_s for o in opts) for opts in self.options)
+        self.energy_unit = (reference or 1.0) / 1e5
+        self._build()
+
+    def _build(self) -> None:
+        dag, model, tau = self.dag, self.model, self.time_unit
+        program = _Program()
+        block = model.blocking_power_w
+        self.columns = [[program.column((o.effective_energy_j - block * o.time_s)
+                                        / self.energy_unit, 1.0) for o in opts]
+                        for opts in self.options]
+        starts = [program.column(0.0, math.inf) for _ in self.options]
+        self.t_col = program.column((dag.stages * block + model.static_power_w) * tau
+                                    / self.energy_unit, math.inf)
+        for cols in self.columns:
+            program.row([(c, 1.0) for c in cols], 1.0, 1.0)
+        follows = {}
+        for order in dag.stage_orders:
+            for i, j in zip(order, order[1:] + order[:1]):
+                delay = self._switch(program, i, j)
+                end = (self.t_col if j == order[0] else starts[j], 1.0)
+                program.row([end, (starts[i], -1.0), *self._duration(i), *delay], 0.0,
+                            math.inf)
+                follows[i] = j
+        for i, j in dag.edges:
+            if follows[i] != j:
+                program.row([(starts[j], 1.0), (starts[i], -1.0), *self._duration(i)], 0.0,
+                            math.inf)
+        self.constraints = program.constraints()
+        self.upper = np.array(program.upper)
+        self.energy = np.array(program.cost)
+        # T in sums of mean instructions (above any makespan), times 1e5: the gap is then
+        # as small a share of it as of energies
+        self.makespan = np.zeros(len(program.cost))
+        self.makespan[self.t_col] = 1e5 / len(self.options)
+        self.integrality = np.zeros(len(program.cost))
+        self.integrality[: sum(map(len, self.columns))] = 1
+
+    def _duration(self, i: int) -> list[tuple[int, float]]:
+        """Minus instruction ``i``'s duration, as terms of a row."""
+        return [(c, -o.time_s / self.time_unit) for c, o in zip(self.columns[i], self.options[i])]
+
+    def _switch(self, program: _Program, i: int, j: int) -> list[tuple[int, float]]:
+        """The switch from instruction ``i`` to ``j``, the next on their stage: a transport
+        between their clock indicators, each (clock, clock) pair priced; minus its seconds
+        as terms of a row (none where no pair of their clocks costs anything to switch)."""
+        model, block = self.model, self.model.blocking_power_w
+        clocks_i, clocks_j = self._clocks(i), self._clocks(j)
+        priced = {(a, b): model.switch(ca, cb) for a, ca in clocks_i.items()
+                  for b, cb in clocks_j.items() if a != b}
+        if not any(s or q for s, q in priced.values()):
+            return []
+        flow: dict[tuple[int, Hashable], list[tuple[int, float]]] = {}
+        delay = []
+        for a, b in itertools.product(clocks_i, clocks_j):
+            seconds, joules = priced.get((a, b), (0.0, 0.0))
+            w = program.column((joules - block * seconds) / self.energy_unit, 1.0)
+            flow.setdefault((i, a), []).append((w, 1.0))
+            flow.setdefault((j, b), []).append((w, 1.0))
+            if seconds:
+                delay.append((w, -seconds / self.time_unit))
+        for (k, clock), terms in flow.items():
+            chosen = [(c, -1.0) for c, o in zip(self.columns[k], self.options[k])
+                      if model.switch_key(o.choice) == clock]
+            program.row(terms + chosen, 0.0, 0.0)
+        return delay
+
+    def _clocks(self, i: int) -> dict[Hashable, Any]:
+        """Instruction ``i``'s clocks (switch keys), each with a choice of it."""
+        clocks: dict[Hashable, Any] = {}
+        for o in self.options[i]:
+            clocks.setdefault(self.model.switch_key(o.choice), o.choice)
+        return clocks
+
+    def _solve(self, objective: np.ndarray, limit_s: float | None) -> PipelinePoint | None:
+        """The optimum of ``objective`` within ``limit_s``, costed exactly; None where no
+        plan is fast enough."""
+        upper = self.upper.copy()
+        upper[self.t_col] = math.inf if limit_s is None else limit_s / self.time_unit
+        options: dict[str, float] = {"mip_rel_gap": 0.0}
+        if self.max_solve_s is not None:
+            options["time_limit"] = self.max_solve_s
+        result = milp(objective, integrality=self.integrality,
+                      bounds=Bounds(np.zeros(len(upper)), upper),
+                      constraints=self.constraints, options=options)
+        if result.status == 2:
+            return None
+        if result.status != 0:
+            gap = result.get("mip_gap")
+            raise PipelineSolveError(
+                f"HiGHS did not prove a plan of the {self.dag.stages}-stage pipeline optimal: "
+                f"{result.message}" + (f" (gap {gap:.3g})" if gap is not None else "")
+                + "; allow it more time (max_solve_s) or give fewer options"
+            )
+        picks = [opts[int(np.argmax(result.x[cols]))]
+                 for opts, cols in zip(self.options, self.columns)]
+        return _evaluate(self.dag, self.model, picks)
+
+    def fastest(self) -> PipelinePoint:
+        quick = self._solve(self.makespan, None)
+        frugal = self._solve(self.energy, quick.time_s) or quick
+        # of the two, the faster (rounding may let the second be slower by a hair)
+        return min((quick, frugal), key=lambda p: (p.time_s, p.energy_j))
+
+    def least_energy(self, limit_s: float | None) -> PipelinePoint:
+        found = self._solve(self.energy, limit_s)
+        if found is None:
+            quick, frugal = self.fastest(), self._solve(self.energy, None)
+            raise PipelineTimeLimitError(
+                f"no plan of the pipeline finishes an iteration within {limit_s:.4g} s: the "
+                f"fastest takes {quick.time_s:.4g} s ({quick.energy_j:.4g} J), the least-energy "
+                f"plan {frugal.time_s:.4g} s ({frugal.energy_j:.4g} J)"
+            )
+        return found
+
+
+def _prune(points: Sequence[FrontierPoint], model: EnergyModel) -> tuple[FrontierPoint, ...]:
+    """The options worth weighing, of each clock: those no other of that clock is as fast
+    as and saves as much as (e - P_blocking x time)."""
+    weighed = [FrontierPoint(o.time_s, o.effective_energy_j - model.blocking_power_w * o.time_s,
+                             o) for o in points]
+    return tuple(o.choice for o in fronts_by(weighed, lambda o: model.switch_key(o.choice)))

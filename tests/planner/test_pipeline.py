@@ -1,0 +1,359 @@
+"""The pipeline-parallel iteration: its DAG, its critical path, and its exact planner against
+brute force on random small pipelines (every combination of options costed by an
+independent, vectorised evaluation of the energy model)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import numpy as np
+import pytest
+
+from kareus.errors import KareusError
+from kareus.passes.decide import Choice
+from kareus.planner.compose import FrontierPoint
+from kareus.planner.pipeline import (
+    EnergyModel,
+    PipelineInputError,
+    PipelineShapeError,
+    PipelineSolveError,
+    PipelineTimeLimitError,
+    baseline,
+    fastest,
+    gpipe,
+    least_energy,
+    one_f_one_b,
+    pipeline_frontier,
+    schedule,
+)
+
+P = FrontierPoint
+
+
+def _orders(dag) -> list[str]:
+    """Each stage's order, as "F0 F1 B0 ..."."""
+    return [" ".join(f"{dag.instructions[i].kind[0].upper()}{dag.instructions[i].microbatch}"
+                     for i in order) for order in dag.stage_orders]
+
+
+def _edges(dag) -> set[tuple[tuple[int, int, str], tuple[int, int, str]]]:
+    label = {n: (i.stage, i.microbatch, i.kind) for n, i in enumerate(dag.instructions)}
+    return {(label[a], label[b]) for a, b in dag.edges}
+
+
+@pytest.mark.parametrize(("stages", "microbatches", "expected"), [
+    (2, 2, ["F0 F1 B0 B1", "F0 B0 F1 B1"]),
+    (2, 4, ["F0 F1 B0 F2 B1 F3 B2 B3", "F0 B0 F1 B1 F2 B2 F3 B3"]),
+    (3, 4, ["F0 F1 F2 B0 F3 B1 B2 B3", "F0 F1 B0 F2 B1 F3 B2 B3",
+            "F0 B0 F1 B1 F2 B2 F3 B3"]),
+])
+def test_one_f_one_b_warms_up_alternates_and_cools_down(stages, microbatches, expected):
+    assert _orders(one_f_one_b(stages, microbatches)) == expected
+
+
+@pytest.mark.parametrize(("stages", "microbatches"), [(2, 2), (2, 4), (3, 2), (3, 4)])
+def test_gpipe_runs_every_forward_then_every_backward(stages, microbatches):
+    forwards = " ".join(f"F{m}" for m in range(microbatches))
+    backwards = " ".join(f"B{m}" for m in range(microbatches))
+    assert _orders(gpipe(stages, microbatches)) == [f"{forwards} {backwards}"] * stages
+
+
+@pytest.mark.parametrize(("make", "stages", "microbatches"), [
+    (one_f_one_b, 2, 2), (one_f_one_b, 2, 4), (one_f_one_b, 3, 4),
+    (gpipe, 2, 2), (gpipe, 2, 4), (gpipe, 3, 2), (gpipe, 3, 4),
+])
+def test_edges_are_the_stage_orders_and_the_microbatches_dataflow(make, stages, microbatches):
+    dag = make(stages, microbatches)
+    assert len(dag.instructions) == 2 * stages * microbatches
+    label = {n: (i.stage, i.microbatch, i.kind) for n, i in enumerate(dag.instructions)}
+    expected = {(label[a], label[b]) for order in dag.stage_orders
+                for a, b in itertools.pairwise(order)}
+    for m in range(microbatches):
+        for s in range(stages - 1):
+            expected.add(((s, m, "forward"), (s + 1, m, "forward")))
+            expected.add(((s + 1, m, "backward"), (s, m, "backward")))
+        expected.add(((stages - 1, m, "forward"), (stages - 1, m, "backward")))
+    assert _edges(dag) == expected
+    assert len(dag.edges) == len(set(dag.edges))
+
+
+def test_shapes_the_schedules_cannot_run_are_refused():
+    with pytest.raises(PipelineShapeError, match="at least as many microbatches as stages"):
+        one_f_one_b(3, 2)
+    for stages, microbatches in ((0, 2), (2, 0), (True, 2), (2, 1.5)):
+        with pytest.raises(PipelineShapeError, match="an integer >= 1"):
+            gpipe(stages, microbatches)
+    assert issubclass(PipelineShapeError, KareusError) and issubclass(PipelineShapeError,
+                                                                      ValueError)
+
+
+def _durations(dag, times):
+    """Durations from {(stage, kind): seconds}."""
+    return [times[i.stage, i.kind] for i in dag.instructions]
+
+
+def _index(dag, stage, microbatch, kind):
+    return next(n for n, i in enumerate(dag.instructions)
+                if (i.stage, i.microbatch, i.kind) == (stage, microbatch, kind))
+
+
+def test_gpipe_critical_path_by_hand():
+    # Forward 1 s, backward 2 s on both stages.
+    # stage 0: F0 [0, 1], F1 [1, 2]
+    # stage 1: F0 [1, 2] (after stage 0's F0), F1 [2, 3], B0 [3, 5], B1 [5, 7]
+    # stage 0: B0 waits for stage 1's B0: [5, 7]; B1 for stage 1's B1 (7): [7, 9]
+    dag = gpipe(2, 2)
+    times = {(0, "forward"): 1.0, (0, "backward"): 2.0, (1, "forward"): 1.0,
+             (1, "backward"): 2.0}
+    starts, makespan = schedule(dag, _durations(dag, times))
+    expected = {(0, 0, "forward"): 0, (0, 1, "forward"): 1, (1, 0, "forward"): 1,
+                (1, 1, "forward"): 2, (1, 0, "backward"): 3, (1, 1, "backward"): 5,
+                (0, 0, "backward"): 5, (0, 1, "backward"): 7}
+    assert {k: starts[_index(dag, *k)] for k in expected} == expected
+    assert makespan == 9
+
+
+def test_one_f_one_b_critical_path_by_hand_with_switches():
+    # Stage 0: forward 1 s, backward 2 s; stage 1: forward 2 s, backward 3 s.
+    # stage 0: F0 [0, 1], F1 [1, 2]
+    # stage 1: F0 [1, 3], B0 [3, 6], F1 after B0 and stage 0's F1: [6, 8], B1 [8, 11]
+    # stage 0: B0 after F1 (2) and stage 1's B0 (6): [6, 8]; B1 after stage 1's B1: [11, 13]
+    dag = one_f_one_b(2, 2)
+    times = {(0, "forward"): 1.0, (0, "backward"): 2.0, (1, "forward"): 2.0,
+             (1, "backward"): 3.0}
+    durations = _durations(dag, times)
+    starts, makespan = schedule(dag, durations)
+    assert starts[_index(dag, 1, 1, "forward")] == 6
+    assert starts[_index(dag, 0, 0, "backward")] == 6
+    assert makespan == 13
+    # A 0.5 s switch after stage 0's F1 is absorbed (B0 waits for stage 1 until 6 anyway);
+    # one after stage 1's B0 delays its F1 to 6.5, so B1 [8.5, 11.5] and stage 0's B1
+    # [11.5, 13.5]; stage 0's switch back to its first clock (0.25 s) ends it at 13.75.
+    switch_s = [0.0] * len(durations)
+    switch_s[_index(dag, 0, 1, "forward")] = 0.5
+    switch_s[_index(dag, 1, 0, "backward")] = 0.5
+    switch_s[_index(dag, 0, 1, "backward")] = 0.25
+    starts, makespan = schedule(dag, durations, switch_s)
+    assert starts[_index(dag, 0, 0, "backward")] == 6
+    assert starts[_index(dag, 1, 1, "forward")] == 6.5
+    assert starts[_index(dag, 0, 1, "backward")] == 11.5
+    assert makespan == 13.75
+    with pytest.raises(PipelineInputError, match="one per instruction"):
+        schedule(dag, durations[:-1])
+
+
+# -- the energy model, by hand ------------------------------------------------------------
+
+
+def _uniform(forward: P, backward: P, stages: int = 2) -> dict:
+    return {(s, kind): [point] for s in range(stages)
+            for kind, point in (("forward", forward), ("backward", backward))}
+
+
+def test_baseline_prices_compute_blocking_and_static_power():
+    # GPipe 2 x 2, forward 1 s / 10 J, backward 2 s / 20 J: T = 9 s (by hand above); each
+    # stage is busy 6 s, so 2 x 9 - 12 = 6 s blocked at 5 W; static 100 W over 9 s.
+    f, b = P(1.0, 10.0, "f"), P(2.0, 20.0, "b")
+    options = _uniform(f, b)
+    point = baseline(gpipe(2, 2), options, {k: v[0] for k, v in options.items()},
+                     model=EnergyModel(static_power_w=100.0, blocking_power_w=5.0,
+                                       switch_key=lambda c: 0))
+    assert point.time_s == 9
+    assert point.effective_energy_j == pytest.approx(4 * 10 + 4 * 20 + 5 * 6)
+    assert point.energy_j == pytest.approx(150 + 100 * 9)
+    assert point.choices == ("f", "f", "b", "b") * 2
+
+
+def test_switch_costs_are_counted():
+    # 1F1B 2 x 2, forward 1 s, backward 2 s: T = 9 s at any clock. A forward at 1200 MHz
+    # saves 1 J; backwards run at 1980 MHz only. Running the forwards at 1200 switches
+    # twice on stage 0 (F1 -> B0, and B1 -> F0 into the next iteration) and four times on
+    # stage 1 (F B F B): 6 switches of 5 J cost more than the 4 J saved.
+    fast, frugal = P(1.0, 10.0, Choice(1, 1980)), P(1.0, 9.0, Choice(1, 1200))
+    options = {(s, kind): points for s in range(2) for kind, points in
+               (("forward", [fast, frugal]), ("backward", [P(2.0, 20.0, Choice(1, 1980))]))}
+    dag = one_f_one_b(2, 2)
+    priced = EnergyModel(static_power_w=100.0, switch=lambda a, b: (0.0, 5.0))
+    point = least_energy(dag, options, time_limit_s=None, model=priced)
+    assert {c.clock_mhz for c in point.choices} == {1980}
+    assert point.energy_j == pytest.approx(4 * 10 + 4 * 20 + 100 * 9)
+    free = least_energy(dag, options, time_limit_s=None, model=EnergyModel(100.0))
+    assert free.energy_j == pytest.approx(4 * 9 + 4 * 20 + 100 * 9)
+    # a switch's seconds delay its stage: with 0.1 s switches, 9 s is still the fastest
+    slow = EnergyModel(static_power_w=100.0, switch=lambda a, b: (0.1, 0.0))
+    with pytest.raises(PipelineTimeLimitError, match="fastest takes 9 s"):
+        least_energy(dag, options, time_limit_s=8.5, model=slow)
+
+
+def test_blocking_power_is_counted():
+    # 1F1B 2 x 2, forward 1 s, backward 2 s (T = 9 s): stage 0's F1 [1, 2] has 2 s of
+    # slack (its B0 waits for stage 1 until 4). Its slower option (1.5 s, 12 J) costs 2 J
+    # more but blocks 0.5 s less: at 10 W blocking it saves 5 J. Stage 0's F0 is on the
+    # critical path, where 0.5 s more costs 0.5 s of static and blocking power.
+    f, b = P(1.0, 10.0, "fast"), P(2.0, 20.0, "b")
+    options = _uniform(f, b)
+    options[0, "forward"] = [f, P(1.5, 12.0, "slow")]
+    dag = one_f_one_b(2, 2)
+    blocking = EnergyModel(static_power_w=100.0, blocking_power_w=10.0,
+                           switch_key=lambda c: 0)
+    point = least_energy(dag, options, time_limit_s=None, model=blocking)
+    assert point.choices[_index(dag, 0, 0, "forward")] == "fast"
+    assert point.choices[_index(dag, 0, 1, "forward")] == "slow"
+    # busy: stage 0 1 + 1.5 + 2 + 2, stage 1 6; blocked 18 - 12.5 = 5.5 s
+    assert point.time_s == 9
+    assert point.energy_j == pytest.approx(122 + 10 * 5.5 + 100 * 9)
+    unblocked = EnergyModel(static_power_w=100.0, switch_key=lambda c: 0)
+    assert "slow" not in least_energy(dag, options, time_limit_s=None,
+                                      model=unblocked).choices
+
+
+def test_malformed_inputs_are_refused():
+    dag = one_f_one_b(2, 2)
+    options = _uniform(P(1.0, 1.0, 0), P(2.0, 2.0, 0))
+    model = EnergyModel(10.0, switch_key=lambda c: c)
+    with pytest.raises(PipelineInputError, match=r"options\[\(1, 'backward'\)\]: none given"):
+        fastest(dag, {k: v for k, v in options.items() if k != (1, "backward")}, model=model)
+    with pytest.raises(PipelineInputError, match=r"baseline_of\[\(0, 'forward'\)\]"):
+        baseline(dag, options, {**{k: v[0] for k, v in options.items()},
+                                (0, "forward"): P(3.0, 3.0, 0)}, model=model)
+    with pytest.raises(PipelineInputError, match="points"):
+        pipeline_frontier(dag, options, model=model, points=1)
+    with pytest.raises(PipelineInputError, match="nan"):
+        least_energy(dag, options, time_limit_s=float("nan"), model=model)
+
+
+def test_a_solve_not_proven_optimal_is_an_error():
+    rng = random.Random(0)
+    options = {(s, kind): [P(rng.uniform(1, 2), rng.uniform(1, 2), (c, k)) for c in range(6)
+                           for k in range(3)] for s in range(2) for kind in ("forward",
+                                                                              "backward")}
+    model = EnergyModel(10.0, switch=lambda a, b: (0.1, 0.1), switch_key=lambda c: c[0])
+    with pytest.raises(PipelineSolveError, match="max_solve_s"):
+        least_energy(one_f_one_b(2, 2), options, time_limit_s=None, model=model,
+                     max_solve_s=1e-9)
+
+
+# -- against brute force -----------------------------------------------------------------
+
+CLOCKS = (0, 1, 2)
+
+
+def _case(rng: random.Random):
+    """A random small pipeline whose combinations of options number at most 50,000."""
+    while True:
+        stages, microbatches = rng.choice([2, 3]), rng.choice([2, 3, 4])
+        make = one_f_one_b if microbatches >= stages and rng.random() < 0.6 else gpipe
+        dag = make(stages, microbatches)
+        counts = {(s, kind): rng.choice([1, 2, 2, 3]) for s in range(stages)
+                  for kind in ("forward", "backward")}
+        combinations = np.prod([counts[i.stage, i.kind] for i in dag.instructions])
+        if 16 <= combinations <= 50_000:
+            break
+    options = {}
+    for (s, kind), count in counts.items():
+        scale = rng.uniform(0.5, 1.5) * (2 if kind == "backward" else 1)
+        options[s, kind] = [P(scale * rng.uniform(0.6, 1.4), scale * rng.uniform(20, 60),
+                              (rng.choice(CLOCKS), k)) for k in range(count)]
+    style = rng.choice(["free", "uniform", "pairs"])
+    if style == "free":
+        table = {}
+    elif style == "uniform":
+        cost = (rng.choice([0.0, rng.uniform(0, 0.5)]), rng.uniform(0, 3))
+        table = {(a, b): cost for a in CLOCKS for b in CLOCKS if a != b}
+    else:  # per direction, some switch energy below what blocking would have drawn
+        table = {(a, b): (rng.uniform(0, 0.5), rng.uniform(0, 3)) for a in CLOCKS
+                 for b in CLOCKS if a != b}
+    model = EnergyModel(
+        static_power_w=rng.uniform(20, 100) * stages,
+        blocking_power_w=rng.choice([0.0, rng.uniform(0, 30)]),
+        switch=lambda a, b: table.get((a[0], b[0]), (0.0, 0.0)),
+        switch_key=lambda c: c[0],
+    )
+    base = {key: rng.choice(points) for key, points in options.items()}
+    return dag, options, model, base
+
+
+def _brute_force(dag, options, model):
+    """(makespan, energy) of every combination of the instructions' options: an
+    independent, vectorised evaluation of the energy model."""
+    per = [options[i.stage, i.kind] for i in dag.instructions]
+    picks = np.array(list(itertools.product(*(range(len(o)) for o in per)))).T  # (n, C)
+    time = np.array([np.array([o.time_s for o in opts])[row] for opts, row in zip(per, picks)])
+    energy = sum(np.array([o.effective_energy_j for o in opts])[row]
+                 for opts, row in zip(per, picks))
+    after = np.zeros_like(time)  # switch seconds after each instruction on its stage
+    for order in dag.stage_orders:
+        for i, j in zip(order, order[1:] + order[:1]):
+            costs = np.array([[model.switch(a.choice, b.choice) if a.choice[0] != b.choice[0]
+                               else (0.0, 0.0) for b in per[j]] for a in per[i]])
+            after[i] = costs[picks[i], picks[j], 0]
+            energy = energy + costs[picks[i], picks[j], 1]
+    finish = {}
+    stage_pred = {b: a for order in dag.stage_orders for a, b in itertools.pairwise(order)}
+    preds = {b: [a for a, b2 in dag.edges if b2 == b] for b in range(len(per))}
+    remaining = list(range(len(per)))
+    while remaining:  # longest path, in any order the edges allow
+        i = next(i for i in remaining if all(a in finish for a in preds[i]))
+        remaining.remove(i)
+        start = np.zeros(picks.shape[1])
+        for a in preds[i]:
+            start = np.maximum(start, finish[a] + (after[a] if stage_pred.get(i) == a else 0))
+        finish[i] = start + time[i]
+    makespan = np.max([finish[o[-1]] + after[o[-1]] for o in dag.stage_orders], axis=0)
+    blocked = dag.stages * makespan - time.sum(axis=0) - after.sum(axis=0)
+    energy = (energy + model.blocking_power_w * blocked + model.static_power_w * makespan)
+    return makespan, energy
+
+
+def _close(a, b, rel=1e-9):
+    return abs(a - b) <= rel * max(abs(a), abs(b))
+
+
+def _least(costs, limit):
+    makespan, energy = costs
+    return energy[makespan <= limit * (1 + 1e-12)].min()
+
+
+@pytest.mark.parametrize("seed", range(50))
+def test_the_planner_matches_brute_force_and_never_loses_to_the_baseline(seed):
+    rng = random.Random(seed)
+    dag, options, model, base_of = _case(rng)
+    costs = _brute_force(dag, options, model)
+    makespan, energy = costs
+    base = baseline(dag, options, base_of, model=model)
+    base_costs = _brute_force(dag, {k: [v] for k, v in base_of.items()}, model)
+    assert _close(base.time_s, base_costs[0][0]) and _close(base.energy_j, base_costs[1][0])
+
+    quick = fastest(dag, options, model=model)
+    assert _close(quick.time_s, makespan.min())
+    assert _close(quick.energy_j, _least(costs, makespan.min()))
+
+    limits = [None, quick.time_s, base.time_s,
+              *(rng.uniform(makespan.min(), makespan.max()) for _ in range(2))]
+    for limit in limits:
+        point = least_energy(dag, options, time_limit_s=limit, model=model)
+        assert _close(point.energy_j, _least(costs, np.inf if limit is None else limit)), limit
+        if limit is not None:
+            assert point.time_s <= limit * (1 + 1e-9)
+    frugal = least_energy(dag, options, time_limit_s=base.time_s, model=model)
+    assert frugal.energy_j <= base.energy_j * (1 + 1e-9)
+
+    frontier = pipeline_frontier(dag, options, model=model, points=4)
+    assert _close(frontier[0].time_s, quick.time_s)
+    assert _close(frontier[-1].energy_j, energy.min())
+    for a, b in itertools.pairwise(frontier):
+        assert a.time_s < b.time_s and a.energy_j > b.energy_j
+    for p in frontier:  # each point is the least energy within its own time: Pareto
+        assert _close(p.energy_j, _least(costs, p.time_s))
+        assert not (p.time_s > base.time_s * (1 + 1e-9) and p.energy_j > base.energy_j
+                    * (1 + 1e-9))
+        assert len(p.choices) == len(dag.instructions)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_limit_below_the_fastest_states_the_range(seed):
+    dag, options, model, _ = _case(random.Random(seed))
+    quick = fastest(dag, options, model=model)
+    with pytest.raises(PipelineTimeLimitError, match=f"the fastest takes {quick.time_s:.4g} s"):
+        least_energy(dag, options, time_limit_s=quick.time_s * 0.99, model=model)
