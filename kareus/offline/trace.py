@@ -203,6 +203,14 @@ def run_microbatch(
         loss.backward()
 
 
+def compile_microbatch(workload: Workload, backend: KareusBackend) -> None:
+    """``run_microbatch`` as ``trace_model`` runs it: under a fake process group of
+    ``workload.tp`` ranks, Dynamo reset before and after; what a compile of the workload
+    with any options (a ``plan`` kareus plan wrote) does to its graphs."""
+    with _fake_group(workload.tp), _fresh_dynamo():
+        run_microbatch(workload, backend)
+
+
 def _trace(workload: Workload, backend: KareusBackend) -> TracedModel:
     found = _Regions(backend.planner)
     regions: dict[str, int] = {}

@@ -1,0 +1,113 @@
+"""``kareus plan`` and ``kareus bench`` on small workloads: the four frontiers in order, the
+plan JSON a matching compile accepts and other shapes refuse, and every bad input refused
+with one line before anything is written."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+import pytest
+
+import kareus
+from kareus.cli import main
+from kareus.errors import KareusError
+from kareus.models.llama import LlamaConfig
+from kareus.offline.plan import plan_offline, step_plan
+from kareus.offline.suite import QUICK, run_suite
+from kareus.offline.trace import compile_microbatch, trace_stages
+from kareus.offline.workload import Workload
+from kareus.planner.budget import Budget, BudgetError
+from kareus.profiler.progress import make_console
+
+MODEL = LlamaConfig(dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128, n_layers=2, max_seq_len=64)
+DEVICE = "sim:a100-sxm4-40gb"
+ONE_STAGE = Workload(MODEL, "tiny", tp=2, pp=1, microbatches=2, microbatch_size=2, seq=32)
+
+
+@pytest.fixture(scope="module")
+def stages(tmp_path_factory):
+    return trace_stages(ONE_STAGE, DEVICE, cache_dir=tmp_path_factory.mktemp("store"))
+
+
+def _never_above(upper, lower):
+    """Every point of ``upper`` has a point of ``lower`` no slower and no costlier."""
+    return all(any(q.time_s <= p.time_s * (1 + 1e-9) and q.energy_j <= p.energy_j * (1 + 1e-9)
+                   for q in lower) for p in upper)
+
+
+def test_the_quick_bench_orders_its_frontiers_and_writes_its_results(tmp_path):
+    data = run_suite(QUICK, tmp_path, make_console(), cache_dir=str(tmp_path / "store"))
+    (result,) = data["workloads"]
+    assert (tmp_path / f"suite_{result['name']}.png").stat().st_size > 0
+    assert json.loads((tmp_path / "suite.json").read_text()) == json.loads(json.dumps(data))
+    f = {m: [type("C", (), p) for p in points] for m, points in result["frontiers"].items()}
+    assert _never_above(f["perseus"], f["kareus"])  # kareus never above Perseus
+    assert _never_above(f["baseline"], f["perseus"])  # Perseus never above the baseline
+    assert _never_above(f["baseline"], f["kareus"])
+    for points in result["frontiers"].values():
+        times = [p["time_s"] for p in points]
+        assert times == sorted(times)  # fastest first
+    assert "modelled" in data and result["metrics"]["kareus_vs_perseus"]["points"]
+
+
+def test_a_plan_json_loads_in_a_matching_compile_and_is_refused_by_other_shapes(
+    stages, tmp_path
+):
+    plan = plan_offline(ONE_STAGE, DEVICE, Budget.parse(time_budget=1.0), stages=stages)
+    step, what = step_plan(plan, kareus.__version__)
+    assert step is not None, what
+    path = step.save(tmp_path / "plan.json")
+    backend = kareus.KareusBackend({"plan": str(path), "lowering": "eager", "device": DEVICE,
+                                    "microbatches": 2})
+    compile_microbatch(ONE_STAGE, backend)
+    reports = backend.reports()
+    assert len(reports) == 6
+    assert all(any("choice from the plan" in n for n in r.notes) for r in reports)
+    chosen = {g.graph_hash: g.choice for g in step.graphs}
+    assert {r.key: r.choice for r in reports} == chosen
+    other = dataclasses.replace(ONE_STAGE, seq=16)
+    backend = kareus.KareusBackend({"plan": str(path), "lowering": "eager", "device": DEVICE,
+                                    "microbatches": 2})
+    with pytest.raises(Exception, match="made for another graph"):
+        compile_microbatch(other, backend)
+
+
+def test_a_budget_outside_the_frontier_states_the_range(stages):
+    with pytest.raises(BudgetError, match="baseline"):
+        plan_offline(ONE_STAGE, DEVICE, Budget.parse(time_budget=0.1), stages=stages)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["llama9"], "unknown model 'llama9'.*llama3.2-1b"),
+    (["llama3.2-1b", "--tp", "3"], "tp=3"),
+    (["llama3.2-1b", "--pp", "17", "--microbatches", "17"], "pp=17 is more than"),
+    (["llama3.2-1b", "--pp", "4", "--microbatches", "2"], "microbatches=2 is fewer than pp=4"),
+    (["llama3.2-1b", "--device", "sim:tpu"], "sim:tpu"),
+    (["llama3.2-1b", "--device", "nvml"], "simulated"),
+    (["llama3.2-1b", "--json", "{tmp}/a-file/plan.json"], "cannot write there"),
+    (["llama3.2-1b", "--json", "{tmp}"], "is a directory"),
+])
+def test_bad_input_is_refused_in_one_line_before_any_work(args, message, capsys, tmp_path):
+    (tmp_path / "a-file").write_text("")
+    args = [a.format(tmp=tmp_path) for a in args]
+    assert main(["plan", *args, "--cache-dir", str(tmp_path)]) == 2
+    out = capsys.readouterr().out
+    assert out.startswith("kareus plan:") and out.count("\n") == 1
+    assert re.search(message, out), out
+    assert not list(tmp_path.glob("*.json"))
+
+
+def test_a_config_json_that_is_no_decoder_lm_is_refused(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    config = tmp_path / "config.json"
+    transformers.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            intermediate_size=128).to_json_file(config)
+    assert main(["plan", str(config)]) == 2
+    assert str(config) in capsys.readouterr().out
+
+
+def test_every_refusal_is_a_kareus_error():
+    with pytest.raises(KareusError):
+        Workload.of("llama3.2-1b", tp=3)
