@@ -13,7 +13,7 @@ the whole iteration). The budget picks the kareus plan; the metrics compare the 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,7 @@ from kareus.offline.metrics import max_throughput, reductions, summary
 from kareus.offline.trace import StageGraphs, trace_stages
 from kareus.offline.workload import Workload
 from kareus.planner.budget import Budget, choose
-from kareus.planner.compose import FrontierPoint
+from kareus.planner.compose import FrontierPoint, step_frontier
 from kareus.planner.methods import (
     METHODS,
     InstructionChoice,
@@ -144,15 +144,20 @@ def plan_offline(
                               search_budget=search_budget)
     model = energy_model(gpu.static_power_w, gpu.clock_switch_s, workload)
     frontiers: dict[str, list[PipelinePoint]] = {}
+    full: dict[str, list[PipelinePoint]] = {}  # without pipeline parallelism: every point
     for method in METHODS:
         options = method_options(stages, method, workload.tp)
         if method == "baseline":
             only = {key: opts[0] for key, opts in options.items()}
             frontiers[method] = [baseline(dag, options, only, model=model)]
+        elif workload.pp == 1:
+            full[method] = chain_frontier(dag, options, model)
+            frontiers[method] = sampled(full[method], points)
         else:
             frontiers[method] = pipeline_frontier(dag, options, model=model, points=points)
-    kareus, base = frontiers["kareus"], frontiers["baseline"][0]
-    if budget.kind == "time":
+    base = frontiers["baseline"][0]
+    kareus = full.get("kareus", frontiers["kareus"])
+    if budget.kind == "time" and workload.pp > 1:
         limit = budget.value if budget.value is not None else budget.fraction * base.time_s
         if limit >= kareus[0].time_s:  # the exact plan at the limit, not only the 10 points'
             exact = least_energy(dag, method_options(stages, "kareus", workload.tp),
@@ -162,6 +167,36 @@ def plan_offline(
     return OfflinePlan(workload, schedule, gpu.identity, gpu.model_version, budget, frontiers,
                        chosen, dag, tuple(stages), gpu.static_power_w,
                        gpu.clock_switch_s)
+
+
+def chain_frontier(
+    dag: PipelineDag, options: Mapping[tuple[int, str], Sequence[FrontierPoint]],
+    model: EnergyModel,
+) -> list[PipelinePoint]:
+    """Without pipeline parallelism, the whole frontier of the iteration, every microbatch
+    at the same forward and backward option: the step planner's exact DP
+    (``compose.step_frontier``), which prices the switches between them and into the next
+    iteration."""
+    forward, backward = options[0, "forward"], options[0, "backward"]
+    points = step_frontier([forward, backward], repeats=dag.microbatches,
+                           static_power_w=model.static_power_w, switch=model.switch,
+                           switch_key=model.switch_key)
+    return [PipelinePoint(p.time_s, p.energy_j, p.effective_energy_j,
+                          tuple(p.graphs[0] if i.kind == "forward" else p.graphs[1]
+                                for i in dag.instructions))
+            for p in points]
+
+
+def sampled(frontier: Sequence[PipelinePoint], points: int) -> list[PipelinePoint]:
+    """``points`` of a frontier (fastest first) the way ``pipeline_frontier`` finds them:
+    the fastest, the least energy, and the least energy within time limits evenly spaced
+    between theirs."""
+    quick, frugal = frontier[0], min(frontier, key=lambda p: (p.energy_j, p.time_s))
+    step = (frugal.time_s - quick.time_s) / (points - 1)
+    limits = [quick.time_s + k * step for k in range(points)]
+    found = [min((p for p in frontier if p.time_s <= limit * (1 + 1e-12)),
+                 key=lambda p: (p.energy_j, p.time_s)) for limit in limits]
+    return list(dict.fromkeys(found))
 
 
 def energy_model(static_power_w: float, clock_switch_s: float, workload: Workload) -> EnergyModel:
@@ -176,9 +211,6 @@ def energy_model(static_power_w: float, clock_switch_s: float, workload: Workloa
     return EnergyModel(static_power_w=static_power_w * workload.tp * workload.pp,
                        switch=switch, switch_key=instruction_clock)
 
-
-def energy_model_of(plan: OfflinePlan) -> EnergyModel:
-    return energy_model(plan.static_power_w, plan.clock_switch_s, plan.workload)
 
 
 def method_options(
@@ -214,10 +246,9 @@ def step_plan(plan: OfflinePlan, kareus_version: str) -> tuple[Plan | None, str]
     (None, why) where none can say what the chosen iteration runs.
 
     A compiled graph runs one choice, so the plan has each graph at one choice for every
-    microbatch: without pipeline parallelism, the forward and the backward instruction at
-    one of their options each, the pair ``plan.budget`` picks among all pairs (a
-    per-instruction plan, which may mix choices over microbatches, needs pipeline stages at
-    run time). Its costs are per GPU, as the compile-time planner's."""
+    microbatch: what the iteration is planned as without pipeline parallelism
+    (``chain_frontier``; a per-instruction plan needs pipeline stages at run time). Its
+    costs are per GPU, as the compile-time planner's."""
     w = plan.workload
     if w.pp > 1:
         return None, ("no plan JSON: with pipeline parallelism the plan is a choice per "
@@ -226,20 +257,10 @@ def step_plan(plan: OfflinePlan, kareus_version: str) -> tuple[Plan | None, str]
         return None, ("no plan JSON: with full recomputation a block's forward graph runs in "
                       "both instructions, where the plan may choose it differently")
     (stage,) = plan.stages
-    options = method_options(plan.stages, "kareus", w.tp)
-    model = energy_model_of(plan)
-    pairs = [
-        (baseline(plan.dag, options, {(0, "forward"): f, (0, "backward"): b}, model=model),
-         f.choice, b.choice)
-        for f in options[0, "forward"] for b in options[0, "backward"]
-    ]
-    frontier = []
-    for point, f, b in sorted(pairs, key=lambda x: (x[0].time_s, x[0].energy_j)):
-        if not frontier or point.energy_j < frontier[-1][0].energy_j:
-            frontier.append((point, f, b))
-    base = plan.baseline
-    point, f, b = next(x for x in frontier if x[0] == choose([x[0] for x in frontier], base,
-                                                               plan.budget, 0.0))
+    # Without pipeline parallelism every microbatch runs the chosen forward and backward.
+    f, b = (next(c for i, c in zip(plan.dag.instructions, plan.chosen.choices, strict=True)
+                 if i.kind == kind) for kind in ("forward", "backward"))
+    point, base = plan.chosen, plan.baseline
     gpus = w.tp * w.pp
     graphs = []
     for (graph, _), choice in [*zip(stage.forward, f.graphs), *zip(stage.backward, b.graphs)]:
@@ -254,7 +275,7 @@ def step_plan(plan: OfflinePlan, kareus_version: str) -> tuple[Plan | None, str]
         graphs=tuple(graphs),
         predicted=per_gpu(point),
         baseline=per_gpu(base),
-        frontier=tuple(per_gpu(x[0]) for x in frontier),
+        frontier=tuple(map(per_gpu, plan.frontiers["kareus"])),
         frequency_only=tuple(map(per_gpu, plan.frontiers["perseus"])),
         budget=plan.budget,
         device=plan.device,
@@ -263,4 +284,4 @@ def step_plan(plan: OfflinePlan, kareus_version: str) -> tuple[Plan | None, str]
         options={"microbatches": w.microbatches, "nanobatches": 1},
         kareus_version=kareus_version,
     ), (f"each graph at one choice for all {w.microbatches} microbatches: "
-        f"{point.time_s * 1e3:.4g} ms, {point.energy_j:.4g} J per iteration")
+        f"{point.time_s * 1e3:.4g} ms, {point.energy_j:.4g} J per iteration of {gpus} GPUs")
