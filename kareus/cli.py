@@ -39,23 +39,15 @@ def main(argv: list[str] | None = None) -> int:
     _add_budget(demo, default="1.1")
     demo.add_argument("--out", default="kareus-demo-plan.png",
                       help="the frontier plot (the plan goes beside it as .json)")
+    demo.add_argument("--no-paper-plan", action="store_true",
+                      help="skip the offline plan of a paper-sized workload at the end")
     plan = sub.add_parser(
         "plan", help="plan a model's training iteration offline on a simulated GPU, beside "
         "the baseline and Perseus",
     )
     add_workload_arguments(plan)
-    plan.add_argument("--device", default="sim:a100-sxm4-40gb",
-                      help='a simulated GPU: "sim:<preset>" or a GPU .json')
+    add_plan_arguments(plan)
     _add_budget(plan, default="the fastest plan")
-    plan.add_argument("--json", default="kareus-plan.json",
-                      help="the result JSON (frontiers, chosen plan, metrics)")
-    plan.add_argument("--png", default=None, help="the frontier plot (default: beside --json)")
-    plan.add_argument("--plan-json", default=None,
-                      help="the plan a compile loads as its plan option (default: beside "
-                      "--json, .plan.json); written without pipeline parallelism")
-    plan.add_argument("--cache-dir", default=None, help="the profile store's directory")
-    plan.add_argument("--search", choices=("grid", "bayesian"), default="grid")
-    plan.add_argument("--search-budget", type=_positive, default=32)
     bench = sub.add_parser(
         "bench", help="the benchmark suite: kareus, Perseus and the baseline on the method's "
         "workloads, planned offline on simulated GPUs",
@@ -74,6 +66,28 @@ def main(argv: list[str] | None = None) -> int:
         format="%(levelname)s %(name)s: %(message)s",
     )
     return {"demo": _demo, "plan": _plan, "bench": _bench, "show": _show}[args.command](args)
+
+
+def parser_for_plan() -> argparse.ArgumentParser:
+    """``kareus plan``'s own arguments (the demo plans with them too)."""
+    parser = argparse.ArgumentParser(prog="kareus plan")
+    add_workload_arguments(parser)
+    add_plan_arguments(parser)
+    return parser
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="sim:a100-sxm4-40gb",
+                        help='a simulated GPU: "sim:<preset>" or a GPU .json')
+    parser.add_argument("--json", default="kareus-plan.json",
+                        help="the result JSON (frontiers, chosen plan, metrics)")
+    parser.add_argument("--png", default=None, help="the frontier plot (default: beside --json)")
+    parser.add_argument("--plan-json", default=None,
+                        help="the plan a compile loads as its plan option (default: beside "
+                        "--json, .plan.json); written without pipeline parallelism")
+    parser.add_argument("--cache-dir", default=None, help="the profile store's directory")
+    parser.add_argument("--search", choices=("grid", "bayesian"), default="grid")
+    parser.add_argument("--search-budget", type=_positive, default=32)
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
@@ -260,6 +274,21 @@ def _demo(args: argparse.Namespace) -> int:
     else:
         console.print("no plan was made (nothing to choose: see the graph reports)")
     console.print(f"finished in {elapsed:.1f} s")
+    if args.no_paper_plan:
+        return 0
+    from kareus.offline.cli import PAPER_WORKLOAD, plan_command
+
+    console.print(
+        "[bold]kareus plan[/]: the demo's model is too small for overlap to pay; a paper-sized "
+        f"workload planned offline ({PAPER_WORKLOAD}), beside Perseus and the baseline:"
+    )
+    paper = parser_for_plan().parse_args(
+        [*PAPER_WORKLOAD.split(), "--json", str(Path(args.out).with_name("kareus-demo-paper.json"))]
+    )
+    try:
+        plan_command(paper, _budget(args), console)
+    except KareusError as exc:
+        return _refused(console, "demo", exc)
     return 0
 
 

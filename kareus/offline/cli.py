@@ -16,6 +16,10 @@ from kareus.offline.workload import Workload
 from kareus.planner.budget import Budget
 from kareus.version import __version__
 
+PAPER_WORKLOAD = "llama3.2-3b --tp 8 --microbatches 8 --microbatch-size 8 --seq 4096"
+"""What the demo plans at its end: the method's Llama 3.2 3B at TP8, one stage, on the
+simulated A100 (the parser's default device)."""
+
 
 def workload_of(args: argparse.Namespace) -> Workload:
     return Workload.of(args.model, tp=args.tp, pp=args.pp, microbatches=args.microbatches,
