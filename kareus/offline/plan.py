@@ -124,10 +124,13 @@ def plan_offline(
     search_budget: int = 32,
     points: int = FRONTIER_POINTS,
     stages: Sequence[StageGraphs] | None = None,
+    max_solve_s: float | None = None,
 ) -> OfflinePlan:
     """Trace and profile ``workload`` on ``device`` (``stages``: already traced), and plan
     its iteration under each method; the kareus plan is the one ``budget`` asks for (a
-    ``BudgetError`` stating the range where none meets it)."""
+    ``BudgetError`` stating the range where none meets it). With pipeline parallelism each
+    plan is proven optimal, or with ``max_solve_s`` the best found within that many seconds
+    of the solver, its proven gap kept (``PipelinePoint.gap``)."""
     if schedule not in SCHEDULES:
         raise OfflinePlanError(
             f"schedule: got {schedule!r}; accepted: {', '.join(map(repr, SCHEDULES))}"
@@ -154,14 +157,17 @@ def plan_offline(
             full[method] = chain_frontier(dag, options, model)
             frontiers[method] = sampled(full[method], points)
         else:
-            frontiers[method] = pipeline_frontier(dag, options, model=model, points=points)
+            frontiers[method] = pipeline_frontier(dag, options, model=model, points=points,
+                                                  max_solve_s=max_solve_s,
+                                                  best_found=max_solve_s is not None)
     base = frontiers["baseline"][0]
     kareus = full.get("kareus", frontiers["kareus"])
     if budget.kind == "time" and workload.pp > 1:
         limit = budget.value if budget.value is not None else budget.fraction * base.time_s
         if limit >= kareus[0].time_s:  # the exact plan at the limit, not only the 10 points'
             exact = least_energy(dag, method_options(stages, "kareus", workload.tp),
-                                 time_limit_s=limit, model=model)
+                                 time_limit_s=limit, model=model, max_solve_s=max_solve_s,
+                                 best_found=max_solve_s is not None)
             kareus = sorted({*kareus, exact}, key=lambda p: (p.time_s, p.energy_j))
     chosen = choose(kareus, base, budget, (gpu.power_limit_w or 0.0) * workload.tp * workload.pp)
     return OfflinePlan(workload, schedule, gpu.identity, gpu.model_version, budget, frontiers,
@@ -234,7 +240,8 @@ def method_options(
 
 
 def _cost(p: PipelinePoint) -> dict[str, float]:
-    return {"time_s": p.time_s, "energy_j": p.energy_j}
+    """A point of a frontier; ``gap``: 0 where proven optimal (see ``plan_offline``)."""
+    return {"time_s": p.time_s, "energy_j": p.energy_j, "gap": p.gap}
 
 
 def _instruction(c: InstructionChoice) -> dict[str, Any]:

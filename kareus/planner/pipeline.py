@@ -48,6 +48,7 @@ a continuous relaxation and ships wheels for few Python versions and platforms.
 
 from __future__ import annotations
 
+import dataclasses
 import graphlib
 import itertools
 import math
@@ -212,6 +213,9 @@ class PipelinePoint:
     energy_j: float
     effective_energy_j: float
     choices: tuple[Any, ...]
+    gap: float = 0.0
+    """0: proven optimal; else the relative gap HiGHS had proven when ``max_solve_s`` ran
+    out and the best plan found was kept (``best_found``)."""
 
 
 def least_energy(
@@ -221,13 +225,15 @@ def least_energy(
     time_limit_s: float | None,
     model: EnergyModel,
     max_solve_s: float | None = None,
+    best_found: bool = False,
 ) -> PipelinePoint:
     """The plan of least energy whose iteration takes at most ``time_limit_s`` (None: any
     time); a ``PipelineTimeLimitError`` stating the range plans reach where none is fast
-    enough. ``max_solve_s`` bounds HiGHS's time (a ``PipelineSolveError`` past it)."""
+    enough. ``max_solve_s`` bounds HiGHS's time: past it a ``PipelineSolveError``, or with
+    ``best_found`` the best plan found, its proven gap in ``PipelinePoint.gap``."""
     if time_limit_s is not None and math.isnan(time_limit_s):
         raise PipelineInputError("time_limit_s: got nan; accepted: seconds, or None")
-    return _Solver(dag, options, model, max_solve_s).least_energy(time_limit_s)
+    return _Solver(dag, options, model, max_solve_s, best_found).least_energy(time_limit_s)
 
 
 def fastest(
@@ -244,16 +250,18 @@ def pipeline_frontier(
     model: EnergyModel,
     points: int = 10,
     max_solve_s: float | None = None,
+    best_found: bool = False,
 ) -> list[PipelinePoint]:
     """The fastest plan, the least-energy plan, and the least-energy plans within time
     limits evenly spaced between theirs: ``points`` limits in all, fewer plans where two
-    limits find the same or one dominates another; fastest first."""
+    limits find the same or one dominates another; fastest first. ``max_solve_s`` and
+    ``best_found``: per solve, as for ``least_energy``."""
     if isinstance(points, bool) or not isinstance(points, int) or points < 2:
         raise PipelineInputError(
             f"points: got {points!r}; accepted: an integer >= 2 (the fastest and the "
             "least-energy plan, and plans between)"
         )
-    solver = _Solver(dag, options, model, max_solve_s)
+    solver = _Solver(dag, options, model, max_solve_s, best_found)
     quick, frugal = solver.fastest(), solver.least_energy(None)
     found = [quick, frugal]
     if frugal.time_s > quick.time_s:
@@ -349,9 +357,10 @@ class _Solver:
     docstring's), built once and solved for any time limit."""
 
     def __init__(self, dag: PipelineDag, options: Options, model: EnergyModel,
-                 max_solve_s: float | None) -> None:
+                 max_solve_s: float | None, best_found: bool = False) -> None:
         _check_options(dag, options)
         self.dag, self.model, self.max_solve_s = dag, model, max_solve_s
+        self.best_found = best_found
         pruned = {key: _prune(options[key], model) for key in _kinds(dag)}
         self.options = [pruned[i.stage, i.kind] for i in dag.instructions]
         times = [o.time_s for opts in self.options for o in opts]
@@ -410,6 +419,16 @@ class _Solver:
                   for b, cb in clocks_j.items() if a != b}
         if not any(s or q for s, q in priced.values()):
             return []
+        ((seconds, joules), *others) = set(priced.values())
+        if not others and seconds >= 0 and joules - block * seconds >= 0:
+            # One price whatever the clocks (every device's today), no gain from paying it:
+            # one indicator w >= z_i(a) - z_j(a) for every clock a, 1 exactly where the
+            # clocks differ (more only costs), instead of a transport of |clocks|^2 columns.
+            w = program.column((joules - block * seconds) / self.energy_unit, 1.0)
+            for clock in {*clocks_i, *clocks_j}:
+                program.row([(w, 1.0), *self._indicator(i, clock, -1.0),
+                             *self._indicator(j, clock, 1.0)], 0.0, math.inf)
+            return [(w, -seconds / self.time_unit)] if seconds else []
         flow: dict[tuple[int, Hashable], list[tuple[int, float]]] = {}
         delay = []
         for a, b in itertools.product(clocks_i, clocks_j):
@@ -424,6 +443,11 @@ class _Solver:
                       if model.switch_key(o.choice) == clock]
             program.row(terms + chosen, 0.0, 0.0)
         return delay
+
+    def _indicator(self, i: int, clock: Hashable, sign: float) -> list[tuple[int, float]]:
+        """``sign`` times instruction ``i``'s indicator of ``clock``, as terms of a row."""
+        return [(c, sign) for c, o in zip(self.columns[i], self.options[i])
+                if self.model.switch_key(o.choice) == clock]
 
     def _clocks(self, i: int) -> dict[Hashable, Any]:
         """Instruction ``i``'s clocks (switch keys), each with a choice of it."""
@@ -445,8 +469,13 @@ class _Solver:
                       constraints=self.constraints, options=options)
         if result.status == 2:
             return None
+        gap = result.get("mip_gap")
+        if result.status == 1 and self.best_found and result.x is not None:
+            picks = [opts[int(np.argmax(result.x[cols]))]
+                     for opts, cols in zip(self.options, self.columns)]
+            return dataclasses.replace(_evaluate(self.dag, self.model, picks),
+                                       gap=float(gap if gap is not None else math.inf))
         if result.status != 0:
-            gap = result.get("mip_gap")
             raise PipelineSolveError(
                 f"HiGHS did not prove a plan of the {self.dag.stages}-stage pipeline optimal: "
                 f"{result.message}" + (f" (gap {gap:.3g})" if gap is not None else "")

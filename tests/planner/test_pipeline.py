@@ -234,6 +234,22 @@ def test_a_solve_not_proven_optimal_is_an_error():
                      max_solve_s=1e-9)
 
 
+def test_past_its_solve_time_the_best_plan_found_is_kept_with_its_gap():
+    rng = random.Random(1)
+    dag, options, model, _ = _case(rng)
+    best = least_energy(dag, options, time_limit_s=None, model=model)
+    assert best.gap == 0.0
+    kept = least_energy(dag, options, time_limit_s=None, model=model, max_solve_s=60.0,
+                        best_found=True)
+    assert kept == best  # proven within the time: the same plan, no gap
+    try:
+        rushed = least_energy(dag, options, time_limit_s=None, model=model, max_solve_s=1e-9,
+                              best_found=True)
+    except PipelineSolveError:  # nothing found at all in no time: still an error
+        return
+    assert rushed.energy_j >= best.energy_j * (1 - 1e-9) and rushed.gap >= 0.0
+
+
 # -- against brute force -----------------------------------------------------------------
 
 CLOCKS = (0, 1, 2)
