@@ -157,9 +157,9 @@ def plan_offline(
             full[method] = chain_frontier(dag, options, model)
             frontiers[method] = sampled(full[method], points)
         else:
-            frontiers[method] = pipeline_frontier(dag, options, model=model, points=points,
-                                                  max_solve_s=max_solve_s,
-                                                  best_found=max_solve_s is not None)
+            found = pipeline_frontier(dag, options, model=model, points=points,
+                                      max_solve_s=max_solve_s, best_found=max_solve_s is not None)
+            frontiers[method] = _pareto([*found, frontiers["baseline"][0]])
     base = frontiers["baseline"][0]
     kareus = full.get("kareus", frontiers["kareus"])
     if budget.kind == "time" and workload.pp > 1:
@@ -237,6 +237,17 @@ def method_options(
                     f"under {method}"
                 )
     return options
+
+
+def _pareto(points: Sequence[PipelinePoint]) -> list[PipelinePoint]:
+    """Fastest first, without a point another is no slower and no costlier than: the
+    baseline, a plan of every method, keeps a plan found unproven (``max_solve_s``) from
+    standing worse than doing nothing."""
+    kept: list[PipelinePoint] = []
+    for p in sorted(points, key=lambda p: (p.time_s, p.energy_j)):
+        if not kept or p.energy_j < kept[-1].energy_j:
+            kept.append(p)
+    return kept
 
 
 def _cost(p: PipelinePoint) -> dict[str, float]:
