@@ -154,7 +154,8 @@ def plan_offline(
             only = {key: opts[0] for key, opts in options.items()}
             frontiers[method] = [baseline(dag, options, only, model=model)]
         elif workload.pp == 1:
-            full[method] = chain_frontier(dag, options, model)
+            full[method] = _pareto([*chain_frontier(dag, options, model),
+                                    frontiers["baseline"][0]])
             frontiers[method] = sampled(full[method], points)
         else:
             found = pipeline_frontier(dag, options, model=model, points=points,
@@ -241,8 +242,8 @@ def method_options(
 
 def _pareto(points: Sequence[PipelinePoint]) -> list[PipelinePoint]:
     """Fastest first, without a point another is no slower and no costlier than: the
-    baseline, a plan of every method, keeps a plan found unproven (``max_solve_s``) from
-    standing worse than doing nothing."""
+    baseline, a plan of every method, keeps a plan found unproven (``max_solve_s``), or
+    one costed by another sum of the same terms, from standing worse than doing nothing."""
     kept: list[PipelinePoint] = []
     for p in sorted(points, key=lambda p: (p.time_s, p.energy_j)):
         if not kept or p.energy_j < kept[-1].energy_j:

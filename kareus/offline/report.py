@@ -118,7 +118,7 @@ def _write(path: Path, write: Callable[[Path], Any]) -> Path:
 
 
 def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.1f}%"
+    return "-" if x is None else f"{round(100 * x, 1) + 0.0:.1f}%"  # + 0.0: no "-0.0%"
 
 
 def _pair(s: dict[str, float | None]) -> str:

@@ -122,7 +122,10 @@ def summary_table(cases: Sequence[Case], plans: Sequence[OfflinePlan]) -> Table:
                    "time at iso-energy vs Perseus (max / mean)",
                    "fastest vs baseline: time / energy (kareus)",
                    "fastest vs baseline: time / energy (Perseus)"):
-        table.add_column(column, justify="left" if column == "workload" else "right")
+        if column == "workload":
+            table.add_column(column, no_wrap=True)
+        else:
+            table.add_column(column, justify="right")
     for case, plan in zip(cases, plans, strict=True):
         rows = list(report.metrics_rows(plan).values())
         table.add_row(case.name, rows[0], rows[1], rows[-1], rows[2])
