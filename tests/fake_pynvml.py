@@ -25,6 +25,10 @@ LOCK, RESET = "nvmlDeviceSetGpuLockedClocks", "nvmlDeviceResetGpuLockedClocks"
 
 _LOCKED_CHILD = """
 import signal, sys
+# As in a terminal: a background job (or nohup) starts with SIGINT, SIGQUIT (or SIGHUP) ignored.
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+signal.signal(signal.SIGHUP, signal.SIG_DFL)
 sys.path[:0] = [{tests!r}, {repo!r}]
 from fake_pynvml import FakeNvml
 from kareus.devices.nvml.clock import NvmlClockController, no_event

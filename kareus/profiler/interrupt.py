@@ -12,9 +12,11 @@ the other ranks (it then gives the search up, telling them), the compiling threa
 it, the caller resets the clocks, and only then is the signal handed to the handler it was
 meant for: the exit guard's (which resets again and passes it on), Python's
 ``KeyboardInterrupt``, or the default action (the process dies of SIGTERM). A second signal
-stops the wait: the first is handed on at once; the process still ends only after the
-measurement in flight (the thread is not a daemon: one running torch code at interpreter
-exit aborts the process, pytorch/pytorch#38228), and the exit guard resets the clocks then.
+changes nothing: the wait is one measurement's (or a poll's). Raising from the handler to
+stop waiting would interrupt the join, and an interrupted ``Thread.join`` on CPython 3.11
+marks a thread that still runs as stopped (its tstate lock released, bpo-45274's fix), so
+the interpreter exits under it and aborts natively ("terminate called without an active
+exception", pytorch/pytorch#38228: seen in this project's tests).
 
 Python runs signal handlers on the main thread only: a graph compiled on another thread is
 profiled without them, as before.
@@ -74,12 +76,11 @@ class DeferredSignals:
             self.stop.set()
             log.warning(
                 "kareus: %s: stopping the profiling after the measurement in flight, then "
-                "resetting the clocks (send it again not to wait here; the process still "
-                "ends only after that measurement)", signal.Signals(signum).name,
+                "resetting the clocks", signal.Signals(signum).name,
             )
             return
-        # Raised into what the main thread is doing (the join of the profiling thread).
-        raise ProfilingInterrupted("profiling stopped by a second signal, without waiting")
+        log.warning("kareus: %s: still stopping the profiling (the measurement in flight "
+                    "ends first)", signal.Signals(signum).name)
 
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None,

@@ -154,10 +154,8 @@ def _outside_the_compile(
         except BaseException as exc:  # noqa: BLE001 - re-raised on the compiling thread
             failure.append(exc)
 
-    # Not a daemon: after a second signal (``interrupt``) the compile stops waiting for it,
-    # but the process does not end before it (a daemon thread still running torch code at
-    # interpreter exit aborts the process: pytorch/pytorch#38228), and the exit guard
-    # resets the clocks after that.
+    # Not a daemon: a daemon thread still running torch code at interpreter exit aborts the
+    # process (pytorch/pytorch#38228); signals only stop it (``interrupt``).
     thread = threading.Thread(target=run, name="kareus-profile")
     thread.start()
     thread.join()
