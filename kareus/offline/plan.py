@@ -39,6 +39,7 @@ from kareus.planner.pipeline import (
     gpipe,
     least_energy,
     one_f_one_b,
+    pareto,
     pipeline_frontier,
 )
 from kareus.planner.plan import GraphPlan, Plan, StepCost
@@ -154,13 +155,15 @@ def plan_offline(
             only = {key: opts[0] for key, opts in options.items()}
             frontiers[method] = [baseline(dag, options, only, model=model)]
         elif workload.pp == 1:
-            full[method] = _pareto([*chain_frontier(dag, options, model),
-                                    frontiers["baseline"][0]])
+            full[method] = pareto([*chain_frontier(dag, options, model),
+                                   frontiers["baseline"][0]])
             frontiers[method] = sampled(full[method], points)
         else:
             found = pipeline_frontier(dag, options, model=model, points=points,
                                       max_solve_s=max_solve_s, best_found=max_solve_s is not None)
-            frontiers[method] = _pareto([*found, frontiers["baseline"][0]])
+            # The baseline, a plan of every method, keeps one found unproven (max_solve_s)
+            # from standing worse than doing nothing.
+            frontiers[method] = pareto([*found, frontiers["baseline"][0]])
     base = frontiers["baseline"][0]
     kareus = full.get("kareus", frontiers["kareus"])
     if budget.kind == "time" and workload.pp > 1:
@@ -238,17 +241,6 @@ def method_options(
                     f"under {method}"
                 )
     return options
-
-
-def _pareto(points: Sequence[PipelinePoint]) -> list[PipelinePoint]:
-    """Fastest first, without a point another is no slower and no costlier than: the
-    baseline, a plan of every method, keeps a plan found unproven (``max_solve_s``), or
-    one costed by another sum of the same terms, from standing worse than doing nothing."""
-    kept: list[PipelinePoint] = []
-    for p in sorted(points, key=lambda p: (p.time_s, p.energy_j)):
-        if not kept or p.energy_j < kept[-1].energy_j:
-            kept.append(p)
-    return kept
 
 
 def _cost(p: PipelinePoint) -> dict[str, float]:

@@ -267,8 +267,13 @@ def pipeline_frontier(
     if frugal.time_s > quick.time_s:
         step = (frugal.time_s - quick.time_s) / (points - 1)
         found += [solver.least_energy(quick.time_s + k * step) for k in range(1, points - 1)]
+    return pareto(found)
+
+
+def pareto(points: Sequence[PipelinePoint]) -> list[PipelinePoint]:
+    """Fastest first, without a plan another is no slower and no costlier than."""
     kept: list[PipelinePoint] = []
-    for p in sorted(found, key=lambda p: (p.time_s, p.energy_j)):
+    for p in sorted(points, key=lambda p: (p.time_s, p.energy_j)):
         if not kept or p.energy_j < kept[-1].energy_j:
             kept.append(p)
     return kept
