@@ -6,6 +6,12 @@ A plan is made from the step's graph frontiers (``planner.graph``) and the user'
 frontier and the baseline, the device, the options, the graph hashes, the kareus version)
 and can be loaded back as the ``plan`` option, which refuses a plan made for other graphs.
 Times and energies are per step and per GPU; every GPU of a symmetric group runs the same.
+
+A pipeline's plan (``pipeline`` set) is a choice per instruction (stage, microbatch,
+forward | backward: a clock and each of its graphs' variants), planned over the
+iteration's DAG (``planner.pipeline``); its costs are per iteration of one pipeline
+replica, energies summed over its GPUs, and ``graphs`` holds what a call outside any
+instruction runs (each graph's choice in the first instruction that runs it).
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ from kareus.planner.budget import Budget, choose
 from kareus.planner.compose import StepPoint, clock_of, step_frontier
 from kareus.planner.graph import GraphFrontier
 
-PLAN_SCHEMA = 2  # 2: a graph's choice is one record, the default clock spelled 0
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
+PLAN_SCHEMA = 3  # 2: a graph's choice is one record, the default clock spelled 0; 3: pipelines
 
 
 class PlanError(KareusError, ValueError):
@@ -48,10 +55,7 @@ class GraphPlan:
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> GraphPlan:
-        c = raw["choice"]
-        choice = Choice(c["nanobatches"], c["clock_mhz"],
-                        tuple((slot, sms) for slot, sms in c["partitions"]))
-        return cls(raw["label"], raw["graph_hash"], choice, raw["time_s"],
+        return cls(raw["label"], raw["graph_hash"], _choice(raw["choice"]), raw["time_s"],
                    raw["effective_energy_j"])
 
 
@@ -59,6 +63,64 @@ class GraphPlan:
 class StepCost:
     time_s: float
     energy_j: float
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """What the pipeline's plan was made for: its schedule ("1f1b", "gpipe",
+    "interleaved_1f1b"), its stages (all ranks'), the ranks they run on, the microbatches of
+    an iteration."""
+
+    schedule: str
+    stages: int
+    ranks: int
+    microbatches: int
+
+
+@dataclass(frozen=True)
+class InstructionGraph:
+    """A graph an instruction runs, how many times (per-block compilation: once per
+    layer), and its choice there (at the instruction's clock)."""
+
+    label: str
+    graph_hash: str
+    calls: int
+    choice: Choice
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> InstructionGraph:
+        return cls(raw["label"], raw["graph_hash"], raw["calls"], _choice(raw["choice"]))
+
+
+@dataclass(frozen=True)
+class InstructionPlan:
+    """One instruction of the iteration: its clock, its graphs' choices, and when it is
+    predicted to start and how long it takes (seconds from the iteration's start), with its
+    energy above static (summed over its stage's GPUs)."""
+
+    stage: int
+    microbatch: int
+    kind: str  # "forward" | "backward"
+    clock_mhz: int
+    graphs: tuple[InstructionGraph, ...]
+    start_s: float
+    time_s: float
+    effective_energy_j: float
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> InstructionPlan:
+        return cls(raw["stage"], raw["microbatch"], raw["kind"], raw["clock_mhz"],
+                   tuple(InstructionGraph.from_dict(g) for g in raw["graphs"]),
+                   raw["start_s"], raw["time_s"], raw["effective_energy_j"])
+
+    def choice_of(self, graph_hash: str) -> Choice | None:
+        """What the graph of this hash runs in this instruction (None: not one of its)."""
+        return next((g.choice for g in self.graphs if g.graph_hash == graph_hash), None)
+
+
+def _choice(c: Mapping[str, Any]) -> Choice:
+    return Choice(c["nanobatches"], c["clock_mhz"],
+                  tuple((slot, sms) for slot, sms in c["partitions"]))
 
 
 @dataclass(frozen=True)
@@ -74,7 +136,17 @@ class Plan:
     static_power_w: float
     options: dict[str, Any]
     kareus_version: str
+    pipeline: PipelineLayout | None = None
+    instructions: tuple[InstructionPlan, ...] = ()
     schema: int = PLAN_SCHEMA
+
+    def instruction(self, stage: int, microbatch: int, kind: str) -> InstructionPlan | None:
+        """The plan of one instruction of the pipeline (None: none such is planned)."""
+        index = self.__dict__.get("_index")
+        if index is None:  # built once: a graph looks its instruction up at every call
+            index = {(i.stage, i.microbatch, i.kind): i for i in self.instructions}
+            object.__setattr__(self, "_index", index)
+        return index.get((stage, microbatch, kind))
 
     def match(self, label: str, graph_hash: str, kind: str) -> GraphPlan | None:
         """The choice for a compiled graph: by label, else by hash and kind (another
@@ -110,6 +182,7 @@ class Plan:
     def digest(self) -> str:
         """What identifies the choices (ranks compare it to agree on one plan)."""
         choices = [(g.label, g.graph_hash, dataclasses.astuple(g.choice)) for g in self.graphs]
+        choices += [dataclasses.astuple(i)[:5] for i in self.instructions]
         return hashlib.sha256(json.dumps(choices).encode()).hexdigest()[:16]
 
     def save(self, path: str | Path) -> Path:
@@ -136,6 +209,8 @@ class Plan:
             frontier=tuple(StepCost(**p) for p in raw["frontier"]),
             frequency_only=tuple(StepCost(**p) for p in raw["frequency_only"]),
             budget=Budget(**raw["budget"]),
+            pipeline=None if raw["pipeline"] is None else PipelineLayout(**raw["pipeline"]),
+            instructions=tuple(InstructionPlan.from_dict(i) for i in raw["instructions"]),
             **{k: raw[k] for k in ("device", "model_version", "static_power_w", "options",
                                    "kareus_version", "schema")},
         )
@@ -198,6 +273,10 @@ def _device_text(identity: str, model_version: str | None) -> str:
 
 # -- checking a plan file field by field ------------------------------------------------------
 
+_Spec = "_Rule | _Nullable | dict[str, _Spec] | list[_Spec] | tuple[_Spec, ...]"
+"""A rule; null or a spec; a JSON object of exactly these fields; a list of any length,
+each item the one spec; a list of exactly these items (a tuple)."""
+
 
 @dataclass(frozen=True)
 class _Rule:
@@ -220,15 +299,19 @@ def _finite(value: object) -> bool:
         return False
 
 
+@dataclass(frozen=True)
+class _Nullable:
+    """A field that is null or what ``spec`` accepts."""
+
+    spec: _Spec
+
+
 _TEXT = _Rule(lambda v: isinstance(v, str) and v != "", "a non-empty string")
 _AMOUNT = _Rule(lambda v: _finite(v) and v >= 0, "a finite number >= 0")
 _POSITIVE = _Rule(lambda v: _finite(v) and v > 0, "a finite number > 0")
 _COST = {"time_s": _AMOUNT, "energy_j": _AMOUNT}
 
-_GRAPH = {
-    "label": _TEXT,
-    "graph_hash": _TEXT,
-    "choice": {
+_CHOICE = {
         "nanobatches": _Rule(lambda v: _integer(v) and v in NANOBATCH_COUNTS,
                              f"a nanobatch count (one of {', '.join(map(str, NANOBATCH_COUNTS))})"),
         "clock_mhz": _Rule(lambda v: _integer(v) and v >= 0, "a clock (an integer >= 0; "
@@ -237,7 +320,31 @@ _GRAPH = {
         "partitions": [(_Rule(lambda v: _integer(v) and v >= 0, "a launch slot (an integer >= 0)"),
                         _Rule(lambda v: v is None or (_integer(v) and v >= 1),
                               "a number of SMs (an integer >= 1; null: the library's default)"))],
-    },
+}
+_GRAPH = {
+    "label": _TEXT,
+    "graph_hash": _TEXT,
+    "choice": _CHOICE,
+    "time_s": _AMOUNT,
+    "effective_energy_j": _AMOUNT,
+}
+_COUNT = _Rule(lambda v: _integer(v) and v >= 1, "an integer >= 1")
+_INDEX = _Rule(lambda v: _integer(v) and v >= 0, "an integer >= 0")
+_LAYOUT = {
+    "schedule": _Rule(lambda v: v in PIPELINE_SCHEDULES,
+                      f"one of {', '.join(map(repr, PIPELINE_SCHEDULES))}"),
+    "stages": _COUNT,
+    "ranks": _COUNT,
+    "microbatches": _COUNT,
+}
+_INSTRUCTION_GRAPH = {"label": _TEXT, "graph_hash": _TEXT, "calls": _COUNT, "choice": _CHOICE}
+_INSTRUCTION = {
+    "stage": _INDEX,
+    "microbatch": _INDEX,
+    "kind": _Rule(lambda v: v in ("forward", "backward"), '"forward" or "backward"'),
+    "clock_mhz": _CHOICE["clock_mhz"],
+    "graphs": [_INSTRUCTION_GRAPH],
+    "start_s": _AMOUNT,
     "time_s": _AMOUNT,
     "effective_energy_j": _AMOUNT,
 }
@@ -261,19 +368,19 @@ _PLAN = {  # "schema" is checked first: another schema's fields are another's
     "static_power_w": _AMOUNT,
     "options": _Rule(lambda v: isinstance(v, dict), "a JSON object"),
     "kareus_version": _TEXT,
+    "pipeline": _Nullable(_LAYOUT),
+    "instructions": [_INSTRUCTION],
 }
 assert all(set(fields) == {f.name for f in dataclasses.fields(record)} for record, fields in (
-    (Plan, {*_PLAN, "schema"}), (GraphPlan, _GRAPH), (Choice, _GRAPH["choice"]),
-    (StepCost, _COST), (Budget, _BUDGET),
+    (Plan, {*_PLAN, "schema"}), (GraphPlan, _GRAPH), (Choice, _CHOICE),
+    (StepCost, _COST), (Budget, _BUDGET), (PipelineLayout, _LAYOUT),
+    (InstructionGraph, _INSTRUCTION_GRAPH), (InstructionPlan, _INSTRUCTION),
 )), "every field of a plan needs a rule"
 _BUDGET_FORMS = {  # kind -> which of (value, fraction) it gives
     "fastest": ((False, False),), "tradeoff": ((True, False),),
     "energy": ((True, False), (False, True)), "time": ((True, False), (False, True)),
 }
 
-_Spec = _Rule | dict[str, "_Spec"] | list["_Spec"] | tuple["_Spec", ...]
-"""A rule; a JSON object of exactly these fields; a list of any length, each item the
-one spec; a list of exactly these items (a tuple)."""
 
 
 def _check_plan(raw: object, source: str) -> None:
@@ -302,7 +409,10 @@ def _check(value: object, spec: _Spec, path: str, source: str) -> None:
     def refuse(what: str) -> PlanError:
         return PlanError(f"{source}: {path + ': ' if path else ''}{what}")
 
-    if isinstance(spec, _Rule):
+    if isinstance(spec, _Nullable):
+        if value is not None:
+            _check(value, spec.spec, path, source)
+    elif isinstance(spec, _Rule):
         if not spec.test(value):
             raise refuse(f"{reprlib.repr(value)} is not {spec.accepted}")
     elif isinstance(spec, dict):

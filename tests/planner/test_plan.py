@@ -88,10 +88,10 @@ def test_an_unmet_budget_states_the_range(gpu):
     ("[" * 100_000, "^plan.json: not a kareus plan: not JSON"),  # nested too deeply
     ("[1, 2]", r"^plan.json: not a kareus plan \(no schema field in \[1, 2\]\)$"),
     ('{"x": 1}', r"^plan.json: not a kareus plan \(no schema field in \{'x': 1\}\)$"),
-    ('{"schema": 99}', "plan schema 99, made by another kareus .this one reads schema 2"),
+    ('{"schema": 99}', "plan schema 99, made by another kareus .this one reads schema 3"),
     ('{"schema": true}', "plan schema True, made by another kareus"),
-    ('{"schema": 2, "graphs": []}', ("^plan.json: missing fields predicted, baseline, .*, "
-     "kareus_version$")),
+    ('{"schema": 3, "graphs": []}', ("^plan.json: missing fields predicted, baseline, .*, "
+     "kareus_version, pipeline, instructions$")),
 ])
 def test_a_damaged_plan_file_is_refused_in_one_line(tmp_path, text, match):
     path = tmp_path / "plan.json"

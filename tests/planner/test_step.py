@@ -137,7 +137,7 @@ def test_the_plan_option_runs_a_saved_plan_and_refuses_one_for_other_graphs(
     with pytest.raises(Exception, match=r"the plan was made for another graph r\d+/forward: its"
                        r" hash is \w+, this graph \(r\d+/forward\)'s is \w+"):
         _train({"plan": str(path)}, batch=4)  # other shapes: other graphs
-    (tmp_path / "bad.json").write_text('{"schema": 2}')
+    (tmp_path / "bad.json").write_text('{"schema": 3}')
     with pytest.raises(kareus.KareusError, match="bad.json: missing fields graphs, predicted"):
         kareus.KareusBackend({"plan": str(tmp_path / "bad.json")})
     # checked against the device, the options and each graph's space before a graph runs
