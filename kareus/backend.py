@@ -13,6 +13,7 @@ runs is a ``runtime.selectable.SelectableGraph``.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from kareus.options import KareusOptionError, KareusOptions
 from kareus.passes.analyse import ForwardInterfaces, analyse
 from kareus.passes.decide import Policy, VariantChooser, decide, earliest_slots, follow
 from kareus.planner.graph import device_cost
+from kareus.planner.pipeline_step import PipelinePlanning
 from kareus.planner.plan import Plan
 from kareus.planner.step import StepPlanner
 from kareus.profiler.graph import profile
@@ -37,9 +39,12 @@ from kareus.reports import GraphReport, ReportBook, modelled_cost
 from kareus.runtime import process_runtime
 from kareus.runtime.communicators import graph_backend
 from kareus.runtime.materialise import GraphBuilder, agreed
+from kareus.runtime.pipelining import Detection, detect
 from kareus.runtime.selectable import SelectableGraph
 from kareus.verify import Verifier
 from kareus.version import __version__
+
+log = logging.getLogger("kareus")
 
 
 class KareusBackend:
@@ -80,6 +85,8 @@ class KareusBackend:
         if self._given_plan is not None:
             self.options.check_plan(self._given_plan)
         self._forwards: dict[int, ForwardInterfaces] = {}  # region -> its forward's interfaces
+        self._stages: dict[int, int] = {}  # region -> the pipeline stage it was compiled for
+        self._pipeline: PipelinePlanning | None = None
         self.runtime.backends.add(self)
 
     @property
@@ -117,6 +124,7 @@ class KareusBackend:
         if self._given_plan is not None:
             _ = self.planner  # the given plan is the process's from now on
         region = self.runtime.backends.next_region()
+        self._join_pipeline(region, detect())
 
         def inner_compile(graph_module: torch.fx.GraphModule, inputs: Sequence[Any], **kwargs: Any):
             return self._compile(graph_module, inputs, region, kwargs)
@@ -130,6 +138,23 @@ class KareusBackend:
                 config_patches=pinned_schedule_config(),
             )
 
+    def _join_pipeline(self, region: int, found: Detection) -> None:
+        """Where ``region`` is a pipeline stage's module: name its graphs by the stage and,
+        at the first, watch the pipeline's instructions and plan it as one."""
+        if found.stage is None:
+            return
+        self._stages[region] = found.stage
+        if found.shape is None:
+            log.warning("kareus: pipeline stage %d: %s", found.stage, found.reason)
+            return
+        tracker = self.runtime.instructions
+        tracker.attach(found)
+        if self._pipeline is None and self._given_plan is None:
+            self.planner.pipelined = True
+            self._pipeline = PipelinePlanning(self.planner, found.shape, tracker,
+                                              timeout_s=self.options.agreement_timeout_s)
+            tracker.listeners.append(self._pipeline)
+
     def _compile(
         self, gm: torch.fx.GraphModule, inputs: Sequence[Any], region: int,
         kwargs: Mapping[str, Any],
@@ -138,15 +163,18 @@ class KareusBackend:
         kind = ("backward" if kwargs.get("is_backward")
                 else "inference" if kwargs.get("is_inference") else "forward")
         options, device, world = self.options, self.device, _world_size()
+        stage = self._stages.get(region)
+        pipelined = stage is not None and self._pipeline is not None
         analysis = analyse(
             gm, inputs, kind, self._forwards.get(region), backend=graph_backend(gm.graph),
-            static_input_idxs=kwargs.get("static_input_idxs") or (), label=f"r{region}/{kind}",
+            static_input_idxs=kwargs.get("static_input_idxs") or (),
+            label=("" if stage is None else f"s{stage}/") + f"r{region}/{kind}",
         )
         if kind == "forward":
             self._forwards[region] = analysis.interfaces
         compile_key = self.runtime.compiles.key(analysis.shape_free_key)
         planning = options.plans(analysis.space.nanobatches,
-                                 policy_in_code=self._policy_in_code)
+                                 policy_in_code=self._policy_in_code, pipelined=pipelined)
         counts = () if self._given_plan else self.planner.graph_counts(analysis)
         profiled = profile(
             analysis, counts, device, self.store_dir, options.profiling(self.protocol),
@@ -175,7 +203,7 @@ class KareusBackend:
             notes=tuple(n for n in (profiled.note, plan_note, estimate_note) if n),
         ))
         lowered = lower(compiled, inputs, options.lowering, **kwargs)
-        if choice is None and not options.verify:
+        if choice is None and not options.verify and not pipelined:
             return lowered
         builder = GraphBuilder(gm, analysis, options.lowering, kwargs, self.runtime.communicators)
         verifier = Verifier(
@@ -184,7 +212,7 @@ class KareusBackend:
         ) if options.verify else None
         return SelectableGraph(
             analysis.label, analysis.key, decision.choice, lowered, builder, self.planner,
-            self._reports, verifier,
+            self._reports, verifier, self.runtime.instructions if pipelined else None,
         )
 
     def reports(self) -> list[GraphReport]:

@@ -253,14 +253,16 @@ class KareusOptions:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                 if f.metadata.get("plans", True)}
 
-    def plans(self, space: tuple[int, ...], *, policy_in_code: bool = False) -> bool:
+    def plans(self, space: tuple[int, ...], *, policy_in_code: bool = False,
+              pipelined: bool = False) -> bool:
         """Whether a graph whose nanobatch counts are ``space`` is planned: profiling on,
         no plan given, no chooser or clock given in code, something to choose (a count
-        other than 1, or a budget: with one count and no budget, nothing is asked of the
-        plan), and a count the plan may choose applies to it."""
+        other than 1, a budget, or a pipeline stage's clocks: with one count and no
+        budget, nothing else is asked of the plan), and a count the plan may choose
+        applies to it."""
         counts = space if self.plan_counts is None else self.plan_counts
         return (not policy_in_code and self.plan is None and self.profile != "off"
-                and (self.nanobatches != 1 or self.budget.kind != "fastest")
+                and (self.nanobatches != 1 or self.budget.kind != "fastest" or pipelined)
                 and bool(set(counts) & set(space)))
 
     @classmethod

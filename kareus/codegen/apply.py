@@ -28,9 +28,11 @@ def apply(
     choice: Choice,
     *,
     groups: Sequence[str | None] | None = None,
+    clocked: bool = True,
 ) -> torch.fx.GraphModule:
     """``gm`` as ``choice`` says: rewritten into its variant (``CannotRewrite`` if the
-    emitter meets what it cannot rewrite) and clocked.
+    emitter meets what it cannot rewrite) and clocked (``clocked=False``: no switch; its
+    caller asks for the clock, as a pipeline instruction does for each of its graphs).
 
     ``groups[p]``: the process group partition ``p``'s collective is issued on (None: the
     graph's own), as the runtime materialised it for the variant's resources after the
@@ -55,7 +57,8 @@ def apply(
                 analysis.table,
             )
         new = analysis.rewrites[k].materialise(Schedule(k, variant.slots, tuple(groups)))
-    insert_clock_switch(new.graph, analysis.label, choice.clock_mhz)
+    if clocked:
+        insert_clock_switch(new.graph, analysis.label, choice.clock_mhz)
     new.graph.lint()
     new.recompile()
     return new

@@ -13,7 +13,7 @@ the whole iteration). The budget picks the kareus plan; the metrics compare the 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,29 +23,14 @@ from kareus.errors import KareusError
 from kareus.offline.metrics import max_throughput, reductions, summary
 from kareus.offline.trace import StageGraphs, trace_stages
 from kareus.offline.workload import Workload
-from kareus.planner.budget import Budget, choose
-from kareus.planner.compose import FrontierPoint, step_frontier
-from kareus.planner.methods import (
-    METHODS,
-    InstructionChoice,
-    instruction_clock,
-    instruction_options,
-)
-from kareus.planner.pipeline import (
-    EnergyModel,
-    PipelineDag,
-    PipelinePoint,
-    baseline,
-    gpipe,
-    least_energy,
-    one_f_one_b,
-    pareto,
-    pipeline_frontier,
-)
+from kareus.planner.budget import Budget
+from kareus.planner.compose import FrontierPoint
+from kareus.planner.iteration import FRONTIER_POINTS, energy_model, plan_iteration
+from kareus.planner.methods import METHODS, InstructionChoice, instruction_options
+from kareus.planner.pipeline import PipelineDag, PipelinePoint, gpipe, one_f_one_b
 from kareus.planner.plan import GraphPlan, Plan, StepCost
 
 SCHEDULES: dict[str, Callable[[int, int], PipelineDag]] = {"1f1b": one_f_one_b, "gpipe": gpipe}
-FRONTIER_POINTS = 10  # the method's artifact compares 10-point frontiers
 
 
 class OfflinePlanError(KareusError, ValueError):
@@ -146,81 +131,16 @@ def plan_offline(
     if stages is None:
         stages = trace_stages(workload, device, cache_dir=cache_dir, search=search,
                               search_budget=search_budget)
-    model = energy_model(gpu.static_power_w, gpu.clock_switch_s, workload)
-    frontiers: dict[str, list[PipelinePoint]] = {}
-    full: dict[str, list[PipelinePoint]] = {}  # without pipeline parallelism: every point
-    for method in METHODS:
-        options = method_options(stages, method, workload.tp)
-        if method == "baseline":
-            only = {key: opts[0] for key, opts in options.items()}
-            frontiers[method] = [baseline(dag, options, only, model=model)]
-        elif workload.pp == 1:
-            full[method] = pareto([*chain_frontier(dag, options, model),
-                                   frontiers["baseline"][0]])
-            frontiers[method] = sampled(full[method], points)
-        else:
-            found = pipeline_frontier(dag, options, model=model, points=points,
-                                      max_solve_s=max_solve_s, best_found=max_solve_s is not None)
-            # The baseline, a plan of every method, keeps one found unproven (max_solve_s)
-            # from standing worse than doing nothing.
-            frontiers[method] = pareto([*found, frontiers["baseline"][0]])
-    base = frontiers["baseline"][0]
-    kareus = full.get("kareus", frontiers["kareus"])
-    if budget.kind == "time" and workload.pp > 1:
-        limit = budget.value if budget.value is not None else budget.fraction * base.time_s
-        if limit >= kareus[0].time_s:  # the exact plan at the limit, not only the 10 points'
-            exact = least_energy(dag, method_options(stages, "kareus", workload.tp),
-                                 time_limit_s=limit, model=model, max_solve_s=max_solve_s,
-                                 best_found=max_solve_s is not None)
-            kareus = sorted({*kareus, exact}, key=lambda p: (p.time_s, p.energy_j))
-    chosen = choose(kareus, base, budget, (gpu.power_limit_w or 0.0) * workload.tp * workload.pp)
+    model = energy_model(gpu.static_power_w, gpu.clock_switch_s, workload.tp * workload.pp)
+    planned = plan_iteration(
+        dag, {m: method_options(stages, m, workload.tp) for m in METHODS}, budget, model=model,
+        max_power_w=(gpu.power_limit_w or 0.0) * workload.tp * workload.pp, points=points,
+        max_solve_s=max_solve_s,
+    )
+    frontiers, chosen = planned.frontiers, planned.chosen
     return OfflinePlan(workload, schedule, gpu.identity, gpu.model_version, budget, frontiers,
                        chosen, dag, tuple(stages), gpu.static_power_w,
                        gpu.clock_switch_s)
-
-
-def chain_frontier(
-    dag: PipelineDag, options: Mapping[tuple[int, str], Sequence[FrontierPoint]],
-    model: EnergyModel,
-) -> list[PipelinePoint]:
-    """Without pipeline parallelism, the whole frontier of the iteration, every microbatch
-    at the same forward and backward option: the step planner's exact DP
-    (``compose.step_frontier``), which prices the switches between them and into the next
-    iteration."""
-    forward, backward = options[0, "forward"], options[0, "backward"]
-    points = step_frontier([forward, backward], repeats=dag.microbatches,
-                           static_power_w=model.static_power_w, switch=model.switch,
-                           switch_key=model.switch_key)
-    return [PipelinePoint(p.time_s, p.energy_j, p.effective_energy_j,
-                          tuple(p.graphs[0] if i.kind == "forward" else p.graphs[1]
-                                for i in dag.instructions))
-            for p in points]
-
-
-def sampled(frontier: Sequence[PipelinePoint], points: int) -> list[PipelinePoint]:
-    """``points`` of a frontier (fastest first) the way ``pipeline_frontier`` finds them:
-    the fastest, the least energy, and the least energy within time limits evenly spaced
-    between theirs."""
-    quick, frugal = frontier[0], min(frontier, key=lambda p: (p.energy_j, p.time_s))
-    step = (frugal.time_s - quick.time_s) / (points - 1)
-    limits = [quick.time_s + k * step for k in range(points)]
-    found = [min((p for p in frontier if p.time_s <= limit * (1 + 1e-12)),
-                 key=lambda p: (p.energy_j, p.time_s)) for limit in limits]
-    return list(dict.fromkeys(found))
-
-
-def energy_model(static_power_w: float, clock_switch_s: float, workload: Workload) -> EnergyModel:
-    """A replica's pricing: one GPU's ``static_power_w`` times its pp x tp GPUs over the
-    whole iteration, a blocked GPU at static power (what the simulated GPU draws in a
-    collective), a clock switch a stall of ``clock_switch_s`` (time at static power, no
-    effective energy)."""
-
-    def switch(a: InstructionChoice, b: InstructionChoice) -> tuple[float, float]:
-        return (clock_switch_s if a.clock_mhz != b.clock_mhz else 0.0), 0.0
-
-    return EnergyModel(static_power_w=static_power_w * workload.tp * workload.pp,
-                       switch=switch, switch_key=instruction_clock)
-
 
 
 def method_options(

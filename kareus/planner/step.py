@@ -28,7 +28,7 @@ from kareus.planner.budget import Budget, BudgetError, constrains_nothing
 from kareus.planner.graph import GraphCost, GraphFrontier, graph_frontier
 from kareus.planner.plan import Plan, PlanError, make_plan
 from kareus.profiler.profile import PartitionProfile
-from kareus.runtime.agreement import agree
+from kareus.runtime.agreement import agree, group_size
 
 log = logging.getLogger("kareus")
 
@@ -75,6 +75,9 @@ class StepPlanner:
         self.path = plans_dir / f"{digest}.json"
         self._stored: Plan | None = None
         self._graphs: dict[str, _Graph] = {}
+        self.pipelined = False
+        """True: the graphs are a pipeline's stages, planned once an iteration ran
+        (``planner.pipeline_step``), not when the step's graphs compiled."""
         if given is not None:
             given.check_device(device, self._given_source)
             publish(given)
@@ -101,7 +104,7 @@ class StepPlanner:
             return None, why_not
         groups = tuple(sorted({c.group_name for c in analysis.collectives}))
         self._graphs[frontier.label] = _Graph(analysis.kind, region, frontier, groups)
-        if self.complete():
+        if self.complete() and not self.pipelined:
             self._plan_step(compile_key)
         choice, source = self.initial_choice(frontier, analysis.kind)
         return choice, f"planned: {choice} ({source})"
@@ -198,6 +201,16 @@ class StepPlanner:
         kinds = [(g.kind, g.region) for g in self._graphs.values()]
         forwards = {r for k, r in kinds if k == "forward"}
         return forwards == {r for k, r in kinds if k == "backward"} and bool(kinds)
+
+    def graph_frontiers(self) -> dict[str, GraphFrontier]:
+        """Every planned graph's frontier, by label."""
+        return {label: g.frontier for label, g in self._graphs.items()}
+
+    def gpus(self, labels: Sequence[str]) -> int:
+        """How many GPUs run these graphs alike: their largest collective group (1: none)."""
+        names = {n for label in labels if label in self._graphs
+                 for n in self._graphs[label].groups}
+        return max((group_size(n) for n in names), default=1)
 
     def groups(self) -> tuple[str, ...]:
         return tuple(sorted({n for g in self._graphs.values() for n in g.groups}))

@@ -18,6 +18,7 @@ from kareus.devices.nvml.ownership import HeldClockLocks
 from kareus.runtime.agreement import CompileCounter
 from kareus.runtime.clock import ClockRouter
 from kareus.runtime.communicators import Communicators
+from kareus.runtime.pipelining import InstructionTracker
 from kareus.runtime.registry import BackendRegistry
 
 if TYPE_CHECKING:
@@ -30,6 +31,8 @@ class ProcessRuntime:
     communicators: Communicators = field(default_factory=Communicators)
     compiles: CompileCounter = field(default_factory=CompileCounter)
     backends: BackendRegistry = field(default_factory=BackendRegistry)
+    instructions: InstructionTracker = field(default_factory=InstructionTracker)
+    """Which pipeline instruction runs now, and what each ran (``runtime.pipelining``)."""
     clock_locks: HeldClockLocks = field(default_factory=HeldClockLocks)
     """The GPUs whose clocks this process owns: every device opened here records its
     ownership in it, so a second controller of a GPU in this process is refused, and its

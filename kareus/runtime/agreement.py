@@ -211,6 +211,63 @@ def _text(value: bytes | str) -> str:
     return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else value
 
 
+def group_size(group_name: str) -> int:
+    """How many ranks the process group named ``group_name`` has."""
+    return dist.get_world_size(_resolve_process_group(group_name))
+
+
+@dataclass(frozen=True)
+class Gathered:
+    """What ``gather`` found: every name's value, or ``missing`` the names that never came."""
+
+    values: dict[str, str]
+    missing: tuple[str, ...] = ()
+
+
+def gather(
+    prefix: str,
+    posts: dict[str, str],
+    names: Iterable[str],
+    *,
+    timeout_s: float,
+    what: str,
+    store: dist.Store | None = None,
+) -> Gathered:
+    """Post this rank's ``posts`` (name -> text) under ``prefix`` and collect the values of
+    ``names`` (posted by any rank), waiting at most ``timeout_s`` for those not there yet.
+
+    The first post of a name wins (``compare_set``), so every rank reads the same value.
+    Like ``agree`` it never blocks on another rank past its deadline; a wait is logged with
+    what it waits for (``what``) and its deadline. The ranks need not all get the same
+    outcome (one may see the last post a moment before the others' deadlines): act on it
+    only through an ``agree``.
+    """
+    if timeout_s < 0:
+        raise NegativeTimeoutError(f"timeout_s must be >= 0, got {timeout_s}")
+    store = _get_default_store() if store is None else store
+    for name, value in posts.items():
+        store.compare_set(f"{prefix}/{name}", "", value)
+    wanted = list(dict.fromkeys(names))
+    keys = [f"{prefix}/{n}" for n in wanted]
+    deadline = time.monotonic() + timeout_s
+    pause, told = 0.001, False
+    while not store.check(keys):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            missing = tuple(n for n, k in zip(wanted, keys) if not store.check([k]))
+            if missing:
+                return Gathered({}, missing)
+            break
+        if not told and timeout_s - remaining > 1.0:
+            absent = [n for n, k in zip(wanted, keys) if not store.check([k])]
+            log.warning("kareus: waiting for %s (%s), at most %.0f s more", what,
+                        ", ".join(absent), remaining)
+            told = True
+        time.sleep(min(pause, remaining))
+        pause = min(2 * pause, _MAX_POLL_S)
+    return Gathered({n: _text(store.get(k)) for n, k in zip(wanted, keys)})
+
+
 class CompileCounter:
     """How often this process compiled each graph: the n-th compile of a graph on one rank
     pairs with the n-th on the others (a program compiled twice with other options agrees

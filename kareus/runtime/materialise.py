@@ -59,7 +59,7 @@ def agreed(
 
 def materialise(
     gm: torch.fx.GraphModule, analysis: GraphAnalysis, choice: Choice,
-    communicators: Communicators,
+    communicators: Communicators, clocked: bool = True,
 ) -> torch.fx.GraphModule:
     """``apply`` with the capped sub-communicators the choice's resources need (made now:
     call only where the ranks agreed on it)."""
@@ -68,7 +68,7 @@ def materialise(
         parts = analysis.space.partitions(choice.nanobatches)
         groups = [None if sms is None else communicators.capped(p.group_name, sms)
                   for p, (_, sms) in zip(parts, choice.partitions, strict=True)]
-    return apply(gm, analysis, choice, groups=groups)
+    return apply(gm, analysis, choice, groups=groups, clocked=clocked)
 
 
 Run = Callable[[list[Any]], Any]
@@ -86,17 +86,19 @@ class GraphBuilder:
         self.gm, self.analysis, self.lowering = gm, analysis, lowering
         self.inductor_kwargs, self.communicators = dict(inductor_kwargs), communicators
 
-    def build(self, choice: Choice, args: Sequence[Any]) -> tuple[Decision, Run]:
+    def build(self, choice: Choice, args: Sequence[Any], clocked: bool = True
+              ) -> tuple[Decision, Run]:
         """``choice`` decided (checked against the graph's space) and compiled, with the
         call's inputs as examples; unrewritten (``CANNOT_REWRITE``) where the emitter
         cannot rewrite it. Every rank meets the same graph and choice, so every rank
-        falls back alike."""
+        falls back alike. ``clocked=False``: without its clock switch (``apply``)."""
         decision = decide(self.analysis, follow(choice))
         try:
-            graph = materialise(self.gm, self.analysis, decision.choice, self.communicators)
+            graph = materialise(self.gm, self.analysis, decision.choice, self.communicators,
+                                clocked)
         except CannotRewrite as exc:
             decision = decision.fallback(Reason(ReasonKind.CANNOT_REWRITE, None, str(exc)))
-            graph = apply(self.gm, self.analysis, decision.choice)
+            graph = apply(self.gm, self.analysis, decision.choice, clocked=clocked)
         # Compiled while the step runs, outside any compile's context (fake mode).
         with torch._guards.tracing(None):
             return decision, lower(graph, list(args), self.lowering, **self.inductor_kwargs)

@@ -5,6 +5,11 @@ graphs first ran; each graph starts with the choice known when it compiled, and 
 next call after the plan is adopted runs the plan's choice for it, compiling it then.
 Where asked, the first call of each newly chosen rewrite is checked against the
 unrewritten graph (``kareus.verify``) before it is trusted.
+
+Under a pipeline's plan a graph's choice is its instruction's (``runtime.pipelining``
+says which runs): each variant is compiled once, without a clock switch, and every call
+first asks for its instruction's clock (the ``kareus::set_clock`` op, called eagerly: the
+switch is queued at that point of the stream, as a graph's own would be).
 """
 
 from __future__ import annotations
@@ -14,7 +19,9 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from kareus.passes.decide import Choice, Decision
+from kareus.passes.ops import SET_CLOCK
 from kareus.runtime.materialise import GraphBuilder, Run
+from kareus.runtime.pipelining import Instruction, InstructionTracker
 
 log = logging.getLogger("kareus")
 
@@ -25,8 +32,16 @@ class PlannedGraph(Protocol):
     choice: Choice
 
 
+class PlannedInstruction(Protocol):
+    def choice_of(self, graph_hash: str) -> Choice | None: ...
+
+
 class Plan(Protocol):
     graphs: Sequence[PlannedGraph]
+    instructions: Sequence[PlannedInstruction]
+
+    def instruction(self, stage: int, microbatch: int, kind: str
+                    ) -> PlannedInstruction | None: ...
 
 
 class PlanSource(Protocol):
@@ -57,6 +72,7 @@ class SelectableGraph:
         plans: PlanSource,
         reports: Reports,
         verify: Verifier | None = None,
+        instructions: InstructionTracker | None = None,
     ) -> None:
         self._boxed_call = True  # an instance attribute: wrappers copy __dict__, not the class
         self.label, self.graph_hash, self.choice = label, graph_hash, choice
@@ -64,9 +80,19 @@ class SelectableGraph:
         self._reports, self._verify = reports, verify
         self._plan: Plan | None = None
         self._unverified = verify is not None and choice.nanobatches > 1
+        self._instructions = instructions
+        self._variants: dict[tuple[int, tuple], Run] = {}  # unclocked, by (k, partitions)
 
     def __call__(self, args: list[Any]) -> Any:
+        now = None if self._instructions is None else self._instructions.current()
+        if now is not None:
+            self._instructions.called(self.label, self.graph_hash)
         plan = self._plans.plan
+        if now is not None and plan is not None and plan.instructions:
+            entry = plan.instruction(*now)
+            choice = None if entry is None else entry.choice_of(self.graph_hash)
+            if choice is not None:
+                return self._run_instruction(now, choice, args)
         if plan is not None and plan is not self._plan:
             self._plan = plan
             entry = next((g for g in plan.graphs if g.label == self.label
@@ -82,6 +108,24 @@ class SelectableGraph:
             outputs, self._run = self._verify(self.choice, args, self._run)
             return outputs
         return self._run(args)
+
+    def _run_instruction(self, now: Instruction, choice: Choice, args: list[Any]) -> Any:
+        """``choice``'s variant at ``choice``'s clock, for instruction ``now``."""
+        key = (choice.nanobatches, choice.partitions)
+        run = self._variants.get(key)
+        fresh = run is None
+        if fresh:
+            log.info("%s: compiling %s for the pipeline's instructions", self.label, choice)
+            decision, run = self._builder.build(choice, args, clocked=False)
+            if decision.reason is not None:
+                self._ran(decision)
+            self._variants[key] = run
+        stage, microbatch, kind = now
+        SET_CLOCK(f"{self.label} s{stage} {kind[0]}{microbatch}", choice.clock_mhz)
+        if fresh and self._verify is not None and choice.nanobatches > 1:
+            outputs, self._variants[key] = self._verify(choice, args, run)
+            return outputs
+        return run(args)
 
     def _ran(self, decision: Decision) -> None:
         """The report says what runs now (and why unrewritten, where it fell back)."""

@@ -1,0 +1,131 @@
+"""A pipeline's iteration planned under each method, and the plan a budget picks.
+
+The same for a pipeline at run time (``planner.pipeline_step``) and offline (``kareus
+plan``): every (stage, kind)'s instruction options under each method
+(``planner.methods``), the iteration's DAG (``planner.pipeline``), and per method its
+frontier of whole iterations (the baseline's one point; with one stage, the step
+planner's exact DP over identical microbatches; with several, the exact DAG solves at
+evenly spaced time limits). Every frontier keeps the baseline, so no plan is worse than
+doing nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from kareus.planner.budget import Budget, choose
+from kareus.planner.compose import FrontierPoint, step_frontier
+from kareus.planner.methods import METHODS, InstructionChoice, instruction_clock
+from kareus.planner.pipeline import (
+    EnergyModel,
+    Options,
+    PipelineDag,
+    PipelinePoint,
+    baseline,
+    least_energy,
+    pareto,
+    pipeline_frontier,
+)
+
+FRONTIER_POINTS = 10  # the method's artifact compares 10-point frontiers
+
+
+@dataclass(frozen=True)
+class IterationPlan:
+    """Each method's frontier (fastest first; the baseline's one point) and the kareus
+    plan the budget chose."""
+
+    frontiers: dict[str, list[PipelinePoint]]
+    chosen: PipelinePoint
+
+    @property
+    def baseline(self) -> PipelinePoint:
+        return self.frontiers["baseline"][0]
+
+
+def energy_model(static_power_w: float, clock_switch_s: float, gpus: int) -> EnergyModel:
+    """A replica's pricing: one GPU's ``static_power_w`` times its ``gpus`` over the whole
+    iteration, a blocked GPU at static power (what the simulated GPU draws in a
+    collective), a clock switch a stall of ``clock_switch_s`` (time at static power, no
+    effective energy)."""
+
+    def switch(a: InstructionChoice, b: InstructionChoice) -> tuple[float, float]:
+        return (clock_switch_s if a.clock_mhz != b.clock_mhz else 0.0), 0.0
+
+    return EnergyModel(static_power_w=static_power_w * gpus, switch=switch,
+                       switch_key=instruction_clock)
+
+
+def plan_iteration(
+    dag: PipelineDag,
+    options: Mapping[str, Options],
+    budget: Budget,
+    *,
+    model: EnergyModel,
+    max_power_w: float,
+    points: int = FRONTIER_POINTS,
+    max_solve_s: float | None = None,
+) -> IterationPlan:
+    """Every method's frontier over ``options`` (method -> (stage, kind) -> options; the
+    baseline's the one option of each) and the kareus plan ``budget`` asks for (a
+    ``BudgetError`` stating the range where none meets it; ``max_power_w``: the
+    replica's, for a trade-off). ``max_solve_s``: per DAG solve, past which the best plan
+    found is kept with its proven gap (``PipelinePoint.gap``); None: every plan proven."""
+    frontiers: dict[str, list[PipelinePoint]] = {}
+    full: dict[str, list[PipelinePoint]] = {}  # with one stage: every point
+    best_found = max_solve_s is not None
+    for method in METHODS:
+        method_options = options[method]
+        if method == "baseline":
+            only = {key: opts[0] for key, opts in method_options.items()}
+            frontiers[method] = [baseline(dag, method_options, only, model=model)]
+        elif dag.stages == 1:
+            full[method] = pareto([*chain_frontier(dag, method_options, model),
+                                   frontiers["baseline"][0]])
+            frontiers[method] = sampled(full[method], points)
+        else:
+            found = pipeline_frontier(dag, method_options, model=model, points=points,
+                                      max_solve_s=max_solve_s, best_found=best_found)
+            # The baseline, a plan of every method, keeps one found unproven (max_solve_s)
+            # from standing worse than doing nothing.
+            frontiers[method] = pareto([*found, frontiers["baseline"][0]])
+    base = frontiers["baseline"][0]
+    kareus = full.get("kareus", frontiers["kareus"])
+    if budget.kind == "time" and dag.stages > 1:
+        limit = budget.value if budget.value is not None else budget.fraction * base.time_s
+        if limit >= kareus[0].time_s:  # the exact plan at the limit, not only the points'
+            exact = least_energy(dag, options["kareus"], time_limit_s=limit, model=model,
+                                 max_solve_s=max_solve_s, best_found=best_found)
+            kareus = sorted({*kareus, exact}, key=lambda p: (p.time_s, p.energy_j))
+    return IterationPlan(frontiers, choose(kareus, base, budget, max_power_w))
+
+
+def chain_frontier(
+    dag: PipelineDag, options: Mapping[tuple[int, str], Sequence[FrontierPoint]],
+    model: EnergyModel,
+) -> list[PipelinePoint]:
+    """Without pipeline parallelism, the whole frontier of the iteration, every microbatch
+    at the same forward and backward option: the step planner's exact DP
+    (``compose.step_frontier``), which prices the switches between them and into the next
+    iteration."""
+    forward, backward = options[0, "forward"], options[0, "backward"]
+    points = step_frontier([forward, backward], repeats=dag.microbatches,
+                           static_power_w=model.static_power_w, switch=model.switch,
+                           switch_key=model.switch_key)
+    return [PipelinePoint(p.time_s, p.energy_j, p.effective_energy_j,
+                          tuple(p.graphs[0] if i.kind == "forward" else p.graphs[1]
+                                for i in dag.instructions))
+            for p in points]
+
+
+def sampled(frontier: Sequence[PipelinePoint], points: int) -> list[PipelinePoint]:
+    """``points`` of a frontier (fastest first) the way ``pipeline_frontier`` finds them:
+    the fastest, the least energy, and the least energy within time limits evenly spaced
+    between theirs."""
+    quick, frugal = frontier[0], min(frontier, key=lambda p: (p.energy_j, p.time_s))
+    step = (frugal.time_s - quick.time_s) / (points - 1)
+    limits = [quick.time_s + k * step for k in range(points)]
+    found = [min((p for p in frontier if p.time_s <= limit * (1 + 1e-12)),
+                 key=lambda p: (p.energy_j, p.time_s)) for limit in limits]
+    return list(dict.fromkeys(found))
