@@ -1,13 +1,15 @@
 """``kareus show``: what a plan chose, or what a profile store holds, as a table and a plot.
 
 A plan (JSON) shows each graph's choice and the step's predicted cost against the baseline,
-and plots the step frontier it was chosen from beside the frequency-only one. A profile
-store (``profiles.sqlite``, or the directory holding it) shows one row per profile key and
-plots each key's evaluations with their (time, energy) frontier. Showing only reads: a
-store is opened read-only (``ProfileStore(read_only=True)``), so that showing creates,
-renames and writes no file beside it (no lock file, no WAL companions), and a damaged,
-foreign, old-schema or locked file is refused with what is wrong with it, where a
-profiling run would set it aside and start an empty store.
+and plots the step frontier it was chosen from beside the frequency-only one; a pipeline's
+plan also shows each instruction's choice and when it runs, in start order, and draws the
+iteration's timeline (a row per rank, a bar per instruction, coloured by its clock) beside
+its frontier. A profile store (``profiles.sqlite``, or the directory holding it) shows one
+row per profile key and plots each key's evaluations with their (time, energy) frontier.
+Showing only reads: a store is opened read-only (``ProfileStore(read_only=True)``), so
+that showing creates, renames and writes no file beside it (no lock file, no WAL
+companions), and a damaged, foreign, old-schema or locked file is refused with what is
+wrong with it, where a profiling run would set it aside and start an empty store.
 """
 
 from __future__ import annotations
@@ -18,15 +20,20 @@ import sqlite3
 from collections.abc import Sequence
 from pathlib import Path
 
+from matplotlib import colormaps
 from matplotlib.axes import Axes
+from matplotlib.cm import ScalarMappable
+from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
+from matplotlib.patches import Patch, Rectangle
+from matplotlib.text import Text
 from rich.console import Console
 from rich.table import Table
 
 from kareus.errors import KareusError
 from kareus.passes.ops import DEFAULT_CLOCK_MHZ
 from kareus.planner.budget import Budget
-from kareus.planner.plan import Plan, PlanError
+from kareus.planner.plan import InstructionPlan, PipelineLayout, Plan, PlanError
 from kareus.profiler.progress import make_console
 from kareus.profiler.store import (
     FILENAME,
@@ -37,6 +44,8 @@ from kareus.profiler.store import (
 )
 
 MAX_PLOTS = 12  # subplots of a store's figure: more would be too small to read
+CLOCK_COLORMAP = "viridis"
+DEFAULT_CLOCK_COLOR = "lightgrey"  # outside viridis, so the default clocks stand apart
 _TAKES = "kareus show takes a plan JSON file, a profile store file or the directory holding one"
 
 
@@ -125,8 +134,14 @@ def _read_plan(path: Path) -> Plan:
 
 
 def _show_plan(plan: Plan, path: Path, png: Path, console: Console) -> None:
-    _print(console, f"plan {path}: {len(plan.graphs)} graphs")
+    layout = plan.pipeline
+    pipeline = "" if layout is None else (
+        f", {len(plan.instructions)} instructions ({layout.schedule} pipeline: "
+        f"{layout.stages} stages on {layout.ranks} ranks, {layout.microbatches} microbatches)")
+    _print(console, f"plan {path}: {len(plan.graphs)} graphs{pipeline}")
     console.print(_plan_table(plan))
+    if layout is not None:
+        console.print(_instruction_table(layout, plan.instructions))
     for line in _plan_summary(plan):
         _print(console, line)
     _save(_plan_figure(plan), png)
@@ -139,8 +154,7 @@ def _plan_table(plan: Plan) -> Table:
     for g in plan.graphs:
         c = g.choice
         table.add_row(
-            g.label, str(c.nanobatches),
-            "default" if c.clock_mhz == DEFAULT_CLOCK_MHZ else str(c.clock_mhz),
+            g.label, str(c.nanobatches), _clock(c.clock_mhz),
             ", ".join(str(slot) for slot, _ in c.partitions),
             ", ".join("default" if sms is None else str(sms) for _, sms in c.partitions),
             _num(g.time_s * 1e3), _num(g.effective_energy_j * 1e3),
@@ -148,13 +162,47 @@ def _plan_table(plan: Plan) -> Table:
     return table
 
 
+def _instruction_table(layout: PipelineLayout,
+                       instructions: Sequence[InstructionPlan]) -> Table:
+    table = Table()
+    for name in ("stage", "rank", "microbatch", "kind", "clock MHz", "start ms", "time ms",
+                 "eff. energy mJ", "graphs (k x calls)"):
+        table.add_column(name, justify="left" if name in ("kind", "graphs (k x calls)")
+                         else "right")
+    for i in _in_start_order(instructions):
+        table.add_row(
+            str(i.stage), str(_rank(layout, i.stage)), str(i.microbatch), i.kind,
+            _clock(i.clock_mhz), _num(i.start_s * 1e3), _num(i.time_s * 1e3),
+            _num(i.effective_energy_j * 1e3),
+            ", ".join(f"{g.label} k={g.choice.nanobatches} x{g.calls}" for g in i.graphs),
+        )
+    return table
+
+
+def _in_start_order(instructions: Sequence[InstructionPlan]) -> list[InstructionPlan]:
+    return sorted(instructions, key=lambda i: (i.start_s, i.stage))
+
+
+def _rank(layout: PipelineLayout, stage: int) -> int:
+    """The rank running ``stage``: its own, or with interleaved 1F1B every ``ranks``-th
+    stage from the rank's."""
+    return stage % layout.ranks
+
+
+def _unit(plan: Plan) -> str:
+    """What the plan's costs are of: a pipeline's, one replica's iteration."""
+    return "step" if plan.pipeline is None else "iteration"
+
+
 def _plan_summary(plan: Plan) -> list[str]:
     p, b = plan.predicted, plan.baseline
     model = f", model {plan.model_version}" if plan.model_version else ""
+    replica = "" if plan.pipeline is None else " (one pipeline replica, all its GPUs)"
     return [
-        (f"predicted step: {_num(p.time_s * 1e3)} ms, {_num(p.energy_j)} J; baseline "
-         f"{_num(b.time_s * 1e3)} ms, {_num(b.energy_j)} J: time {_ratio(p.time_s, b.time_s)}, "
-         f"energy {_ratio(p.energy_j, b.energy_j)} of the baseline"),
+        (f"predicted {_unit(plan)}{replica}: {_num(p.time_s * 1e3)} ms, {_num(p.energy_j)} J; "
+         f"baseline {_num(b.time_s * 1e3)} ms, {_num(b.energy_j)} J: time "
+         f"{_ratio(p.time_s, b.time_s)}, energy {_ratio(p.energy_j, b.energy_j)} of the "
+         "baseline"),
         (f"budget: {_budget_text(plan.budget)}; frontier {len(plan.frontier)} points, "
          f"frequency-only {len(plan.frequency_only)}"),
         (f"device: {plan.device}{model}, static power {_num(plan.static_power_w)} W; "
@@ -174,13 +222,32 @@ def _budget_text(budget: Budget) -> str:
 
 
 def _plan_figure(plan: Plan) -> Figure:
-    fig = Figure(figsize=(7, 5), layout="constrained")
-    ax = fig.subplots()
+    """The plan's frontier; a pipeline's, its timeline first (its axes, then the
+    frontier's, then the clocks' colorbar where any clock is not the default)."""
+    if plan.pipeline is None:
+        fig = Figure(figsize=(7, 5), layout="constrained")
+        _plot_frontier(fig.subplots(), plan, f"plan on {plan.device}")
+        return fig
+    fig = Figure(figsize=(15, 5.5), layout="constrained")
+    timeline, frontier = fig.subplots(1, 2, width_ratios=(2.2, 1))
+    _plot_timeline(timeline, plan.pipeline, plan)
+    _plot_frontier(frontier, plan, "iteration frontier")
+    # A simulated device's plan is the model's word alone: nothing of it was measured.
+    # model_version marks every simulated device; a custom GPU file's name need not start
+    # with "sim:".
+    modelled = " (modelled: the device is simulated)" if plan.model_version is not None else ""
+    fig.suptitle(f"{plan.pipeline.schedule} pipeline plan on {plan.device}: "
+                 f"predicted{modelled}")
+    return fig
+
+
+def _plot_frontier(ax: Axes, plan: Plan, title: str) -> None:
+    unit = _unit(plan)
 
     def curve(points: Sequence, **style: object) -> None:
         ax.plot([q.time_s * 1e3 for q in points], [q.energy_j for q in points], **style)
 
-    curve(plan.frontier, marker="o", markersize=4, label="step frontier")
+    curve(plan.frontier, marker="o", markersize=4, label=f"{unit} frontier")
     curve(plan.frequency_only, linestyle="--", marker=".", label="frequency only")
     for cost, name, style in (
         (plan.baseline, "baseline", {"marker": "s", "color": "black", "markersize": 8}),
@@ -189,10 +256,76 @@ def _plan_figure(plan: Plan) -> Figure:
         curve([cost], linestyle="none", label=name, **style)
         ax.annotate(name, (cost.time_s * 1e3, cost.energy_j), xytext=(8, 8),
                     textcoords="offset points")
-    ax.set(xlabel="step time (ms)", ylabel="step energy (J)", title=f"plan on {plan.device}")
+    ax.set(xlabel=f"{unit} time (ms)", ylabel=f"{unit} energy (J)", title=title)
     ax.grid(alpha=0.3)
     ax.legend()
-    return fig
+
+
+def _plot_timeline(ax: Axes, layout: PipelineLayout, plan: Plan) -> None:
+    """A Gantt chart: a row per rank, a bar per instruction (backwards hatched), coloured
+    by its clock, labelled F<microbatch> or B<microbatch> where the label fits (s<stage>
+    first where a rank runs several stages)."""
+    clocks = sorted({i.clock_mhz for i in plan.instructions} - {DEFAULT_CLOCK_MHZ})
+    norm, cmap = _clock_norm(clocks), colormaps[CLOCK_COLORMAP]
+    labels = [_draw_instruction(ax, layout, i, DEFAULT_CLOCK_COLOR if norm is None
+                                or i.clock_mhz == DEFAULT_CLOCK_MHZ else cmap(norm(i.clock_mhz)))
+              for i in plan.instructions]
+    end = ax.axvline(plan.predicted.time_s * 1e3, color="red", linestyle="--", linewidth=1,
+                     label="predicted iteration end")
+    ax.set_yticks(range(layout.ranks), [_rank_label(layout, r) for r in range(layout.ranks)])
+    ax.set_ylim(layout.ranks - 0.5, -0.5)  # rank 0 on top
+    ax.set(xlabel="time from the iteration's start (ms)",
+           title=f"timeline: {len(plan.instructions)} instructions, {layout.microbatches} "
+                 "microbatches")
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(handles=[
+        Patch(facecolor="white", edgecolor="black", label="forward"),
+        Patch(facecolor="white", edgecolor="black", hatch="//", label="backward"),
+        Patch(facecolor=DEFAULT_CLOCK_COLOR, edgecolor="black", label="default clocks"),
+        end,
+    ], loc="upper left", bbox_to_anchor=(0, -0.12), ncols=4, fontsize="small")
+    if norm is not None:
+        scale = ax.figure.colorbar(ScalarMappable(norm, cmap), ax=ax, label="clock (MHz)")
+        if len(clocks) == 1:
+            scale.set_ticks(clocks)
+    _keep_labels_that_fit(ax.figure, labels)
+
+
+def _draw_instruction(ax: Axes, layout: PipelineLayout, i: InstructionPlan,
+                      color: object) -> tuple[Rectangle, Text]:
+    """Instruction ``i``'s bar on its rank's row, and its label at the bar's middle."""
+    (bar,) = ax.barh(_rank(layout, i.stage), i.time_s * 1e3, left=i.start_s * 1e3,
+                     height=0.8, color=color, edgecolor="black", linewidth=0.6,
+                     hatch="//" if i.kind == "backward" else None)
+    stage = f"s{i.stage} " if layout.stages > layout.ranks else ""
+    text = ax.text(bar.get_x() + bar.get_width() / 2, bar.get_y() + bar.get_height() / 2,
+                   f"{stage}{i.kind[0].upper()}{i.microbatch}", ha="center", va="center",
+                   fontsize="x-small", clip_on=True,
+                   bbox={"facecolor": "white", "alpha": 0.8, "pad": 1, "linewidth": 0})
+    return bar, text
+
+
+def _clock_norm(clocks: Sequence[int]) -> Normalize | None:
+    """The clocks' colour scale (None: every instruction runs at the default clocks); one
+    clock takes the middle of a range around it, where the colorbar shows it."""
+    if not clocks:
+        return None
+    low, high = min(clocks), max(clocks)
+    return Normalize(low, high) if low < high else Normalize(low - 1, high + 1)
+
+
+def _rank_label(layout: PipelineLayout, rank: int) -> str:
+    stages = [s for s in range(layout.stages) if _rank(layout, s) == rank]
+    return f"rank {rank}\nstage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))}"
+
+
+def _keep_labels_that_fit(fig: Figure, labels: Sequence[tuple[Rectangle, Text]]) -> None:
+    """Drop each bar's label that is wider than its bar, once the figure is laid out (its
+    extents are then the saved figure's, in proportion)."""
+    fig.draw_without_rendering()
+    for bar, text in labels:
+        if text.get_window_extent().width > 0.9 * bar.get_window_extent().width:
+            text.remove()
 
 
 # -- a profile store ------------------------------------------------------------------------
@@ -288,6 +421,10 @@ def _save(fig: Figure, png: Path) -> None:
         fig.savefig(png, dpi=120)
     except (OSError, ValueError) as exc:  # ValueError: a suffix matplotlib writes no format of
         raise ShowError(f"{png}: cannot write the plot there ({exc})") from exc
+
+
+def _clock(mhz: int) -> str:
+    return "default" if mhz == DEFAULT_CLOCK_MHZ else str(mhz)
 
 
 def _num(x: float) -> str:

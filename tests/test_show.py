@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import sqlite3
 
 import pytest
+from matplotlib import colormaps
+from matplotlib.colors import to_rgba
 from rich.console import Console
 
 from kareus import KareusError
@@ -14,9 +17,18 @@ from kareus.cli import main
 from kareus.devices.base import Measurement
 from kareus.passes.decide import Choice
 from kareus.planner.budget import Budget
-from kareus.planner.plan import GraphPlan, Plan, PlanError, StepCost
+from kareus.planner.pipeline import one_f_one_b, schedule
+from kareus.planner.plan import (
+    GraphPlan,
+    InstructionGraph,
+    InstructionPlan,
+    PipelineLayout,
+    Plan,
+    PlanError,
+    StepCost,
+)
 from kareus.profiler.store import FILENAME, SCHEMA_VERSION, Knobs, ProfileKey, ProfileStore
-from kareus.show import ShowError, show
+from kareus.show import CLOCK_COLORMAP, DEFAULT_CLOCK_COLOR, ShowError, _plan_figure, show
 
 PNG_SIGNATURE = b"\x89PNG"
 
@@ -105,6 +117,178 @@ def test_plan_to_a_given_png(tmp_path):
     png = show(str(path), out=tmp_path / "figures" / "chosen.png", console=console())
     assert png == tmp_path / "figures" / "chosen.png"
     assert_png(png)
+
+
+# -- a pipeline's plan ----------------------------------------------------------------------
+
+FORWARD_S, BACKWARD_S = 2e-3, 4e-3
+# (stage, kind) -> clock; stage 0's backwards run at the default clocks
+CLOCKS = {(0, "forward"): 1410, (0, "backward"): 0, (1, "forward"): 1200,
+          (1, "backward"): 1980}
+# 2 stages x 4 microbatches of 1F1B, 2 ms forwards and 4 ms backwards, by hand: (start ms,
+# stage, microbatch, kind), ties in stage order; the iteration ends at 30 ms.
+TIMELINE = [
+    (0, 0, 0, "forward"), (2, 0, 1, "forward"), (2, 1, 0, "forward"),
+    (4, 1, 0, "backward"), (8, 0, 0, "backward"), (8, 1, 1, "forward"),
+    (10, 1, 1, "backward"), (12, 0, 2, "forward"), (14, 0, 1, "backward"),
+    (14, 1, 2, "forward"), (16, 1, 2, "backward"), (18, 0, 3, "forward"),
+    (20, 0, 2, "backward"), (20, 1, 3, "forward"), (22, 1, 3, "backward"),
+    (26, 0, 3, "backward"),
+]
+
+
+def make_pipeline_plan(device: str = "sim:h200", model_version: str | None = "sim-v2") -> Plan:
+    dag = one_f_one_b(2, 4)
+    durations = [FORWARD_S if i.kind == "forward" else BACKWARD_S for i in dag.instructions]
+    starts, makespan = schedule(dag, durations)
+    instructions = []
+    for i, start, time_s in zip(dag.instructions, starts, durations, strict=True):
+        clock = CLOCKS[i.stage, i.kind]
+        k, calls = (2, 4) if i.kind == "forward" else (1, 2)
+        graph = InstructionGraph(f"region0/{i.kind}", i.kind[0] * 16, calls,
+                                 Choice(k, clock, ((1, 16),) if k > 1 else ()))
+        instructions.append(InstructionPlan(i.stage, i.microbatch, i.kind, clock, (graph,),
+                                            start, time_s, 0.25 * time_s * 1e3))
+    return dataclasses.replace(
+        make_plan(),
+        predicted=StepCost(makespan, 9.0),
+        baseline=StepCost(0.028, 10.0),
+        frontier=(StepCost(0.028, 10.0), StepCost(makespan, 9.0)),
+        frequency_only=(StepCost(0.028, 10.0),),
+        device=device,
+        model_version=model_version,
+        pipeline=PipelineLayout("1f1b", 2, 2, 4),
+        instructions=tuple(instructions),
+    )
+
+
+def table_rows(text: str, header: str) -> list[list[str]]:
+    """The cells of every row of the table whose header row starts with ``header``."""
+    lines = iter(text.splitlines())
+    next(line for line in lines if line.startswith("┃") and line[1:].strip().startswith(header))
+    next(lines)  # the line under the header
+    rows = []
+    for line in lines:
+        if not line.startswith("│"):
+            return rows
+        rows.append([cell.strip() for cell in line.split("│")[1:-1]])
+    return rows
+
+
+def test_pipeline_plan_shows_its_instructions_in_start_order(tmp_path):
+    path = make_pipeline_plan().save(tmp_path / "plan.json")
+    out = console()
+    png = show(path, console=out)
+    assert_png(png)
+    text = out.export_text()
+    assert ("2 graphs, 16 instructions (1f1b pipeline: 2 stages on 2 ranks, 4 microbatches)"
+            in text)
+    assert row(text, "region0/forward")[:3] == ["region0/forward", "2", "1410"]
+    rows = table_rows(text, "stage")
+    # stage, rank, microbatch, kind, clock, start ms
+    assert [r[:6] for r in rows] == [
+        [str(s), str(s), str(m), kind,
+         "default" if CLOCKS[s, kind] == 0 else str(CLOCKS[s, kind]), f"{start:g}"]
+        for start, s, m, kind in TIMELINE
+    ]
+    forward, backward = rows[0], rows[3]
+    assert forward[6:] == ["2", "500", "region0/forward k=2 x4"]  # ms, mJ, graphs
+    assert backward[6:] == ["4", "1000", "region0/backward k=1 x2"]
+    # 30 ms against 28 ms, 9 J against 10 J
+    assert ("predicted iteration (one pipeline replica, all its GPUs): 30 ms, 9 J; baseline "
+            "28 ms, 10 J: time 1.071x, energy 0.900x of the baseline") in text
+
+
+def test_pipeline_plan_draws_its_timeline_beside_its_frontier():
+    plan = make_pipeline_plan()
+    fig = _plan_figure(plan)
+    timeline, frontier, colorbar = fig.axes
+    assert colorbar.get_ylabel() == "clock (MHz)"
+    assert colorbar.get_ylim() == (1200, 1980)
+    bars = timeline.patches
+    assert len(bars) == len(plan.instructions) == 16
+    spans = sorted((round(b.get_x(), 9), round(b.get_y() + b.get_height() / 2), b.get_width())
+                   for b in bars)
+    assert spans == sorted((start, s, 2.0 if kind == "forward" else 4.0)
+                           for start, s, _, kind in TIMELINE)  # (start ms, rank, ms)
+    hatched = [b for b in bars if b.get_hatch()]
+    assert len(hatched) == 8 and all(b.get_width() == 4.0 for b in hatched)  # backwards
+    grey = [b for b in bars if b.get_facecolor() == to_rgba(DEFAULT_CLOCK_COLOR)]
+    assert len(grey) == 4  # stage 0's backwards, at the default clocks
+    assert [t.get_text() for t in timeline.get_yticklabels()] == ["rank 0\nstage 0",
+                                                                  "rank 1\nstage 1"]
+    assert {t.get_text() for t in timeline.texts} <= {f"{k}{m}" for k in "FB" for m in range(4)}
+    assert "F0" in {t.get_text() for t in timeline.texts}
+    assert timeline.get_xlabel() == "time from the iteration's start (ms)"
+    assert frontier.get_xlabel() == "iteration time (ms)"
+    assert "predicted (modelled: the device is simulated)" in fig.get_suptitle()
+
+
+def test_one_clock_is_the_middle_of_its_colorbar():
+    plan = make_pipeline_plan()
+    plan = dataclasses.replace(plan, instructions=tuple(
+        dataclasses.replace(i, clock_mhz=1410) for i in plan.instructions))
+    timeline, _, colorbar = _plan_figure(plan).axes
+    assert colorbar.get_ylim() == (1409, 1411) and list(colorbar.get_yticks()) == [1410]
+    middle = to_rgba(colormaps[CLOCK_COLORMAP](0.5))
+    assert {b.get_facecolor() for b in timeline.patches} == {middle}
+
+
+def test_a_measured_devices_pipeline_plan_is_not_called_modelled():
+    fig = _plan_figure(make_pipeline_plan("NVIDIA H200", None))
+    assert fig.get_suptitle() == "1f1b pipeline plan on NVIDIA H200: predicted"
+
+
+def test_interleaved_ranks_run_every_ranks_th_stage_at_default_clocks(tmp_path):
+    plan = make_pipeline_plan()
+    plan = dataclasses.replace(
+        plan, pipeline=PipelineLayout("interleaved_1f1b", 4, 2, 4),
+        instructions=tuple(dataclasses.replace(i, stage=i.stage + 2 * (i.microbatch % 2),
+                                               clock_mhz=0) for i in plan.instructions))
+    fig = _plan_figure(plan)
+    assert len(fig.axes) == 2  # no clock but the default: no colorbar
+    timeline = fig.axes[0]
+    assert [t.get_text() for t in timeline.get_yticklabels()] == ["rank 0\nstages 0, 2",
+                                                                  "rank 1\nstages 1, 3"]
+    out = console()
+    show(plan.save(tmp_path / "plan.json"), console=out)
+    rows = table_rows(out.export_text(), "stage")
+    assert {(r[0], r[1]) for r in rows} == {("0", "0"), ("2", "0"), ("1", "1"), ("3", "1")}
+    assert {r[4] for r in rows} == {"default"}
+
+
+def test_a_plan_without_a_pipeline_draws_its_frontier_alone():
+    fig = _plan_figure(make_plan())
+    (ax,) = fig.axes
+    assert not ax.patches and ax.get_title() == "plan on sim:h200"
+    assert ax.get_xlabel() == "step time (ms)"
+
+
+def test_a_pipeline_plan_round_trips(tmp_path):
+    plan = make_pipeline_plan()
+    loaded = Plan.load(plan.save(tmp_path / "plan.json"))
+    assert loaded == plan
+    assert loaded.instruction(1, 2, "backward") == plan.instructions[
+        next(n for n, i in enumerate(plan.instructions)
+             if (i.stage, i.microbatch, i.kind) == (1, 2, "backward"))]
+
+
+@pytest.mark.parametrize("field, value, problem", [
+    ("kind", "sideways", "instructions[0].kind: 'sideways' is not \"forward\" or \"backward\""),
+    ("start_s", -1e-3, "instructions[0].start_s: -0.001 is not a finite number >= 0"),
+])
+def test_a_malformed_instruction_is_refused_naming_its_field(tmp_path, field, value, problem):
+    raw = json.loads(make_pipeline_plan().to_json())
+    raw["instructions"][0][field] = value
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(PlanError) as loaded:
+        Plan.load(path)
+    assert str(loaded.value) == f"{path}: {problem}"
+    with pytest.raises(ShowError) as shown:
+        show(path, console=console())
+    assert str(shown.value) == str(loaded.value)
+    assert not (tmp_path / "plan.png").exists()
 
 
 # -- a profile store ------------------------------------------------------------------------
