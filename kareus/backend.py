@@ -149,9 +149,15 @@ class KareusBackend:
             return
         tracker = self.runtime.instructions
         tracker.attach(found)
-        if self._pipeline is None and self._given_plan is None:
+        shape = found.shape
+        given = self._given_plan
+        if given is not None:  # its instructions run as it says, where it has any
+            given.check_layout(shape.stages, shape.ranks, shape.microbatches, shape.schedule,
+                               str(self.options.plan))
+            return
+        if self._pipeline is None:
             self.planner.pipelined = True
-            self._pipeline = PipelinePlanning(self.planner, found.shape, tracker,
+            self._pipeline = PipelinePlanning(self.planner, shape, tracker,
                                               timeout_s=self.options.agreement_timeout_s)
             tracker.listeners.append(self._pipeline)
 
@@ -164,7 +170,9 @@ class KareusBackend:
                 else "inference" if kwargs.get("is_inference") else "forward")
         options, device, world = self.options, self.device, _world_size()
         stage = self._stages.get(region)
-        pipelined = stage is not None and self._pipeline is not None
+        given = self._given_plan
+        pipelined = stage is not None and (
+            self._pipeline is not None or (given is not None and given.pipeline is not None))
         analysis = analyse(
             gm, inputs, kind, self._forwards.get(region), backend=graph_backend(gm.graph),
             static_input_idxs=kwargs.get("static_input_idxs") or (),

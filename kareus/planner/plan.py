@@ -20,6 +20,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import reprlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -188,7 +189,8 @@ class Plan:
     def save(self, path: str | Path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
+        # One temporary name per process: the ranks of one machine share a cache directory.
+        tmp = path.with_suffix(f"{path.suffix}.{os.getpid()}.tmp")
         tmp.write_text(self.to_json())
         tmp.replace(path)  # readers never see half a plan
         return path
@@ -243,28 +245,55 @@ class Plan:
 
     def check_choice(self, entry: GraphPlan, space: VariantSpace, device: Device,
                      source: str) -> None:
-        """Refuse ``entry``'s choice where it is no point of its graph's ``space`` or its
-        clock one ``device`` does not support, naming ``source``, the graph and the field."""
+        """Refuse ``entry``'s choice, and the instructions' choices of its graph, where one
+        is no point of its graph's ``space`` or its clock one ``device`` does not support,
+        naming ``source``, the graph and the field."""
         where = f"{source}: graphs[{self.graphs.index(entry)}] ({entry.label}).choice"
-        choice, clocks = entry.choice, device.supported_clocks()
-        if choice.clock_mhz != DEFAULT_CLOCK_MHZ and choice.clock_mhz not in clocks:
-            supported = (f"its {len(clocks)} clocks run from {max(clocks)} down to "
-                         f"{min(clocks)} MHz" if clocks else "it reports none")
+        _check_choice(where, entry.choice, space, device)
+        for n, instruction in enumerate(self.instructions):
+            for m, g in enumerate(instruction.graphs):
+                if g.graph_hash == entry.graph_hash:
+                    _check_choice(f"{source}: instructions[{n}].graphs[{m}] ({g.label}).choice",
+                                  g.choice, space, device)
+
+    def check_layout(self, stages: int, ranks: int, microbatches: int, schedule: str,
+                     source: str) -> None:
+        """Refuse a pipeline's plan made for another pipeline than the one that runs."""
+        runs = PipelineLayout(schedule, stages, ranks, microbatches)
+        if self.pipeline is not None and self.pipeline != runs:
             raise PlanError(
-                f"{where}.clock_mhz: {device.name} does not support {choice.clock_mhz} MHz "
-                f"({supported}; {DEFAULT_CLOCK_MHZ}: the default clocks); make a new plan "
-                "(drop the plan option)"
+                f"{source}: the plan was made for another pipeline ({_layout_text(self.pipeline)})"
+                f" than this one ({_layout_text(runs)}); make a new plan (drop the plan option)"
             )
-        if choice.variant is None:
-            return
-        try:
-            space.check(choice.variant)
-        except VariantError as exc:
-            field = "nanobatches" if choice.nanobatches not in space.nanobatches else "partitions"
-            raise PlanError(
-                f"{where}.{field}: not a variant of this graph: {exc}; make a new plan (drop "
-                "the plan option)"
-            ) from exc
+
+
+def _layout_text(layout: PipelineLayout) -> str:
+    return (f"{layout.schedule}, {layout.stages} stages on {layout.ranks} ranks, "
+            f"{layout.microbatches} microbatches")
+
+
+def _check_choice(where: str, choice: Choice, space: VariantSpace, device: Device) -> None:
+    """Refuse ``choice`` where it is no point of ``space`` or its clock one ``device`` does
+    not support, naming ``where`` and the field."""
+    clocks = device.supported_clocks()
+    if choice.clock_mhz != DEFAULT_CLOCK_MHZ and choice.clock_mhz not in clocks:
+        supported = (f"its {len(clocks)} clocks run from {max(clocks)} down to "
+                     f"{min(clocks)} MHz" if clocks else "it reports none")
+        raise PlanError(
+            f"{where}.clock_mhz: {device.name} does not support {choice.clock_mhz} MHz "
+            f"({supported}; {DEFAULT_CLOCK_MHZ}: the default clocks); make a new plan "
+            "(drop the plan option)"
+        )
+    if choice.variant is None:
+        return
+    try:
+        space.check(choice.variant)
+    except VariantError as exc:
+        field = "nanobatches" if choice.nanobatches not in space.nanobatches else "partitions"
+        raise PlanError(
+            f"{where}.{field}: not a variant of this graph: {exc}; make a new plan (drop "
+            "the plan option)"
+        ) from exc
 
 
 def _device_text(identity: str, model_version: str | None) -> str:

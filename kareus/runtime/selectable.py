@@ -117,8 +117,11 @@ class SelectableGraph:
         if fresh:
             log.info("%s: compiling %s for the pipeline's instructions", self.label, choice)
             decision, run = self._builder.build(choice, args, clocked=False)
-            if decision.reason is not None:
-                self._ran(decision)
+            why = "" if decision.reason is None else f" (falls back: {decision.reason.detail})"
+            ran = decision.choice
+            note = (f"pipeline instructions run k={ran.nanobatches}, partitions "
+                    f"{list(ran.partitions)} (each at its instruction's clock){why}")
+            self._reports.update(self.label, notes_added=(note,))
             self._variants[key] = run
         stage, microbatch, kind = now
         SET_CLOCK(f"{self.label} s{stage} {kind[0]}{microbatch}", choice.clock_mhz)
