@@ -104,13 +104,17 @@ def detect(frame: FrameType | None = None) -> Detection:
             f"schedule {type(schedule).__name__} is not one kareus plans (it plans "
             f"{', '.join(SCHEDULES)}); each stage is planned alone"), schedule)
     stages = _stages(schedule)
+    orders = _orders(schedule) if kind == "interleaved_1f1b" else None
+    if isinstance(orders, str):
+        return Detection(None, index, f"schedule {type(schedule).__name__}: {orders}; each "
+                         "stage is planned alone", schedule)
     shape = PipelineShape(
         schedule=kind,
         stages=int(stages[0].num_stages),
         ranks=int(stages[0].group_size),
         microbatches=int(schedule._n_microbatches),
         local_stages=tuple(sorted(int(s.stage_index) for s in stages)),
-        orders=_orders(schedule) if kind == "interleaved_1f1b" else None,
+        orders=orders,
     )
     return Detection(shape, index, None, schedule)
 
@@ -128,13 +132,21 @@ def _stages(schedule: Any) -> list[Any]:
     return list(schedule._stages) if hasattr(schedule, "_stages") else [schedule._stage]
 
 
-def _orders(schedule: Any) -> tuple[tuple[Instruction, ...], ...]:
+def _orders(schedule: Any) -> tuple[tuple[Instruction, ...], ...] | str:
     """Every rank's instructions in the order the schedule runs them (its
-    ``pipeline_order``, idle slots left out)."""
+    ``pipeline_order``, idle slots left out); why not, where it runs other actions than
+    whole forwards and backwards."""
+    from torch.distributed.pipelining.schedules import _ComputationType
+
+    kinds = {_ComputationType.FORWARD: "forward", _ComputationType.FULL_BACKWARD: "backward"}
     order = schedule.pipeline_order
-    kinds = {"F": "forward", "B": "backward"}
+    other = next((a for rank in order for a in order[rank]
+                  if a is not None and a.computation_type not in kinds), None)
+    if other is not None:
+        return (f"its order has a {other.computation_type.name} action ({other}), where kareus "
+                "plans whole forwards and backwards")
     return tuple(
-        tuple((a.stage_index, a.microbatch_index, kinds[str(a.computation_type)])
+        tuple((a.stage_index, a.microbatch_index, kinds[a.computation_type])
               for a in order[rank] if a is not None)
         for rank in sorted(order)
     )
