@@ -147,9 +147,15 @@ class KareusBackend:
         if found.shape is None:
             log.warning("kareus: pipeline stage %d: %s", found.stage, found.reason)
             return
+        shape = found.shape
+        if self.options.microbatches not in (1, shape.microbatches):
+            raise KareusOptionError(
+                f"kareus options: microbatches={self.options.microbatches!r}, but the "
+                f"pipeline's schedule runs {shape.microbatches} per iteration; leave "
+                "microbatches unset under a pipeline schedule (kareus reads it from there)"
+            )
         tracker = self.runtime.instructions
         tracker.attach(found)
-        shape = found.shape
         given = self._given_plan
         if given is not None:  # its instructions run as it says, where it has any
             given.check_layout(shape.stages, shape.ranks, shape.microbatches, shape.schedule,
@@ -222,6 +228,11 @@ class KareusBackend:
             analysis.label, analysis.key, decision.choice, lowered, builder, self.planner,
             self._reports, verifier, self.runtime.instructions if pipelined else None,
         )
+
+    @property
+    def pipeline(self) -> PipelinePlanning | None:
+        """The pipeline this backend's stages plan as one (None: none found)."""
+        return self._pipeline
 
     def reports(self) -> list[GraphReport]:
         """This backend's graph reports, in compilation order."""

@@ -27,11 +27,20 @@ import torch.distributed as dist
 from kareus.devices.base import Device
 from kareus.errors import KareusError
 from kareus.passes.decide import Choice
-from kareus.planner.compose import FrontierPoint
+from kareus.planner.budget import Budget, choose
+from kareus.planner.compose import FrontierPoint, StepPoint, step_frontier
 from kareus.planner.graph import GraphFrontier
 from kareus.planner.iteration import IterationPlan, energy_model, plan_iteration
 from kareus.planner.methods import METHODS, InstructionChoice, instruction_options
-from kareus.planner.pipeline import KINDS, PipelineDag, PipelinePoint, gpipe, one_f_one_b, schedule
+from kareus.planner.pipeline import (
+    KINDS,
+    PipelineDag,
+    PipelinePoint,
+    baseline,
+    gpipe,
+    one_f_one_b,
+    schedule,
+)
 from kareus.planner.plan import (
     GraphPlan,
     InstructionGraph,
@@ -145,6 +154,34 @@ def make_pipeline_plan(
     return _plan(shape, dag, planned, by_stage, model, budget, device, options, kareus_version)
 
 
+def per_stage(shape: PipelineShape, posted: Sequence[StageOptions], budget: Budget,
+              device: Device) -> PipelinePoint:
+    """What the iteration costs when each stage plans alone (as without ``pipeline_step``):
+    every microbatch of a stage at the one (forward, backward) choice its own step of
+    ``shape.microbatches`` passes takes under ``budget`` (the step planner's DP), on the
+    same DAG and pricing as the pipeline's plan."""
+    dag = iteration_dag(shape)
+    gpus = sum(p.gpus for p in posted)
+    model = energy_model(device.static_power_w, device.clock_switch_s, gpus)
+    options = {(p.stage, k): p.options[k]["kareus"] for p in posted for k in KINDS}
+    picks = {}
+    for p in posted:
+        fwd, bwd = p.options["forward"]["kareus"], p.options["backward"]["kareus"]
+        alone = energy_model(device.static_power_w, device.clock_switch_s, p.gpus)
+        points = step_frontier([fwd, bwd], repeats=shape.microbatches,
+                               static_power_w=alone.static_power_w, switch=alone.switch,
+                               switch_key=alone.switch_key)
+        base = [p.options[k]["baseline"][0] for k in KINDS]
+        t = shape.microbatches * sum(o.time_s for o in base)
+        e = shape.microbatches * sum(o.effective_energy_j for o in base)
+        chosen = choose(points, StepPoint(t, e + alone.static_power_w * t, e,
+                                          tuple(o.choice for o in base)),
+                        budget, (device.power_limit_w or 0.0) * p.gpus)
+        for k, c in zip(KINDS, chosen.graphs, strict=True):
+            picks[p.stage, k] = next(o for o in options[p.stage, k] if o.choice == c)
+    return baseline(dag, options, picks, model=model)
+
+
 def _plan(shape: PipelineShape, dag: PipelineDag, planned: IterationPlan,
           by_stage: Mapping[int, StageOptions], model: Any, budget: Any, device: Device,
           options: Mapping[str, Any], kareus_version: str) -> Plan:
@@ -242,6 +279,7 @@ class PipelinePlanning:
         layout = (shape.schedule, shape.stages, shape.ranks, shape.microbatches)
         self.key = f"kareus/pipeline/{step.path.stem}/{'-'.join(map(str, layout))}"
         self.tried = False
+        self.posted: list[StageOptions] = []  # every stage's options, once exchanged
 
     def __call__(self, shape: PipelineShape) -> None:
         if shape != self.shape or self.tried:
@@ -273,6 +311,7 @@ class PipelinePlanning:
             labels = [label for c in graphs.values() for label, _, _ in c]
             mine.append(stage_options(s, self.step.gpus(labels), graphs, frontiers))
         posted = exchange(self.key, mine, self.shape, timeout_s=self.timeout_s)
+        self.posted = posted
         step = self.step
         return make_pipeline_plan(self.shape, posted, step.budget, step.device, step.options,
                                   step.kareus_version)
