@@ -23,12 +23,21 @@ from kareus.errors import KareusError
 from kareus.offline.metrics import max_throughput, reductions, summary
 from kareus.offline.trace import StageGraphs, trace_stages
 from kareus.offline.workload import Workload
+from kareus.passes.decide import Choice
 from kareus.planner.budget import Budget
 from kareus.planner.compose import FrontierPoint
+from kareus.planner.graph import GraphFrontier
 from kareus.planner.iteration import FRONTIER_POINTS, energy_model, plan_iteration
 from kareus.planner.methods import METHODS, InstructionChoice, instruction_options
-from kareus.planner.pipeline import PipelineDag, PipelinePoint, gpipe, one_f_one_b
-from kareus.planner.plan import GraphPlan, Plan, StepCost
+from kareus.planner.pipeline import PipelineDag, PipelinePoint, gpipe, one_f_one_b, schedule
+from kareus.planner.plan import (
+    GraphPlan,
+    InstructionGraph,
+    InstructionPlan,
+    PipelineLayout,
+    Plan,
+    StepCost,
+)
 
 SCHEDULES: dict[str, Callable[[int, int], PipelineDag]] = {"1f1b": one_f_one_b, "gpipe": gpipe}
 
@@ -176,14 +185,15 @@ def step_plan(plan: OfflinePlan, kareus_version: str) -> tuple[Plan | None, str]
     """The plan a compile of the workload loads as its ``plan`` option, and what it is;
     (None, why) where none can say what the chosen iteration runs.
 
-    A compiled graph runs one choice, so the plan has each graph at one choice for every
-    microbatch: what the iteration is planned as without pipeline parallelism
-    (``chain_frontier``; a per-instruction plan needs pipeline stages at run time). Its
-    costs are per GPU, as the compile-time planner's."""
+    With pipeline parallelism, the plan of every instruction (``pipeline_plan``). Without,
+    each graph at one choice for every microbatch: what the iteration is planned as then
+    (``iteration.chain_frontier``), costs per GPU, as the compile-time planner's."""
     w = plan.workload
     if w.pp > 1:
-        return None, ("no plan JSON: with pipeline parallelism the plan is a choice per "
-                      "instruction (in the result JSON), which compiled stages cannot run yet")
+        return pipeline_plan(plan, kareus_version), (
+            f"a choice per instruction of the {plan.schedule} pipeline ({w.pp} stages, "
+            f"{w.microbatches} microbatches): {plan.chosen.time_s * 1e3:.4g} ms, "
+            f"{plan.chosen.energy_j:.4g} J per iteration of {w.tp * w.pp} GPUs")
     if w.recompute != "none":
         return None, ("no plan JSON: with full recomputation a block's forward graph runs in "
                       "both instructions, where the plan may choose it differently")
@@ -195,7 +205,7 @@ def step_plan(plan: OfflinePlan, kareus_version: str) -> tuple[Plan | None, str]
     gpus = w.tp * w.pp
     graphs = []
     for (graph, _), choice in [*zip(stage.forward, f.graphs), *zip(stage.backward, b.graphs)]:
-        cost = next(o for o in graph.points if o.choice == choice)
+        cost = _point(graph, choice)
         graphs.append(GraphPlan(graph.label, graph.graph_hash, choice, cost.time_s,
                                 cost.effective_energy_j))
 
@@ -216,3 +226,62 @@ def step_plan(plan: OfflinePlan, kareus_version: str) -> tuple[Plan | None, str]
         kareus_version=kareus_version,
     ), (f"each graph at one choice for all {w.microbatches} microbatches: "
         f"{point.time_s * 1e3:.4g} ms, {point.energy_j:.4g} J per iteration of {gpus} GPUs")
+
+
+def pipeline_plan(plan: OfflinePlan, kareus_version: str) -> Plan:
+    """The chosen iteration as a pipeline's plan (as ``planner.pipeline_step`` makes one at
+    run time): each instruction's clock and graphs' choices, when it starts; costs per
+    iteration of one replica."""
+    w = plan.workload
+    by_stage = {s.stage: s for s in plan.stages}
+    durations = [_instruction_cost(by_stage[i.stage], i.kind, c).time_s
+                 for i, c in zip(plan.dag.instructions, plan.chosen.choices, strict=True)]
+    starts, _ = schedule(plan.dag, durations)
+    instructions, graphs = [], {}
+    for i, c, start in zip(plan.dag.instructions, plan.chosen.choices, starts, strict=True):
+        runs = getattr(by_stage[i.stage], i.kind)
+        cost = _instruction_cost(by_stage[i.stage], i.kind, c)
+        entries = tuple(InstructionGraph(g.label, g.graph_hash, n, choice)
+                        for (g, n), choice in zip(runs, c.graphs, strict=True))
+        instructions.append(InstructionPlan(i.stage, i.microbatch, i.kind, c.clock_mhz,
+                                            entries, start, cost.time_s,
+                                            w.tp * cost.effective_energy_j))
+        for (g, _), choice in zip(runs, c.graphs, strict=True):
+            point = _point(g, choice)
+            graphs.setdefault(g.label, GraphPlan(g.label, g.graph_hash, choice, point.time_s,
+                                                 point.effective_energy_j))
+
+    def cost(p: PipelinePoint) -> StepCost:
+        return StepCost(p.time_s, p.energy_j)
+
+    return Plan(
+        graphs=tuple(graphs.values()),
+        predicted=cost(plan.chosen),
+        baseline=cost(plan.baseline),
+        frontier=tuple(map(cost, plan.frontiers["kareus"])),
+        frequency_only=tuple(map(cost, plan.frontiers["perseus"])),
+        budget=plan.budget,
+        device=plan.device,
+        model_version=plan.model_version,
+        static_power_w=plan.static_power_w,
+        options={"nanobatches": 1},
+        kareus_version=kareus_version,
+        pipeline=PipelineLayout(plan.schedule, w.pp, w.pp, w.microbatches),
+        instructions=tuple(instructions),
+    )
+
+
+def _instruction_cost(stage: StageGraphs, kind: str, choice: InstructionChoice) -> FrontierPoint:
+    """One GPU's cost of ``stage``'s ``kind`` instruction running ``choice``: its graphs'
+    points, counted."""
+    points = [(_point(g, c), n) for (g, n), c in
+              zip(getattr(stage, kind), choice.graphs, strict=True)]
+    return FrontierPoint(sum(n * o.time_s for o, n in points),
+                         sum(n * o.effective_energy_j for o, n in points), choice)
+
+
+def _point(graph: GraphFrontier, choice: Choice) -> FrontierPoint:
+    """``graph``'s point of ``choice``: on its frontier, or the frequency-only, baseline or
+    default-variant one (what the other methods' plans choose)."""
+    return next(o for o in (*graph.points, *graph.frequency_only, graph.baseline,
+                            *graph.nanobatched) if o.choice == choice)

@@ -19,6 +19,7 @@ from kareus.offline.suite import QUICK, run_suite
 from kareus.offline.trace import compile_microbatch, trace_stages
 from kareus.offline.workload import Workload
 from kareus.planner.budget import Budget, BudgetError
+from kareus.planner.plan import Plan
 from kareus.profiler.progress import make_console
 
 MODEL = LlamaConfig(dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128, n_layers=2, max_seq_len=64)
@@ -72,6 +73,35 @@ def test_a_plan_json_loads_in_a_matching_compile_and_is_refused_by_other_shapes(
                                     "microbatches": 2})
     with pytest.raises(Exception, match="made for another graph"):
         compile_microbatch(other, backend)
+
+
+def test_a_pipeline_plan_json_holds_every_instruction_and_loads_where_its_graphs_run(tmp_path):
+    """With pipeline parallelism the plan JSON is a choice per instruction; a compile of
+    the same graphs takes each graph's choice from it, other shapes are refused, and a
+    pipeline of another layout would be (``Plan.check_layout``)."""
+    two = dataclasses.replace(ONE_STAGE, pp=2)
+    plan = plan_offline(two, DEVICE, Budget.parse(time_budget=1.0),
+                        cache_dir=tmp_path / "store")
+    step, what = step_plan(plan, kareus.__version__)
+    assert step is not None and "a choice per instruction of the 1f1b pipeline" in what
+    assert len(step.instructions) == 2 * 2 * two.microbatches
+    assert step.pipeline.stages == 2 and step.predicted.time_s == plan.chosen.time_s
+    for i, c in zip(plan.dag.instructions, plan.chosen.choices, strict=True):
+        entry = step.instruction(i.stage, i.microbatch, i.kind)
+        assert entry.clock_mhz == c.clock_mhz
+        assert tuple(g.choice for g in entry.graphs) == c.graphs
+    last = max(step.instructions, key=lambda i: i.start_s + i.time_s)
+    assert last.start_s + last.time_s == pytest.approx(plan.chosen.time_s)
+    path = step.save(tmp_path / "plan.json")
+    assert Plan.load(path) == step
+    backend = kareus.KareusBackend({"plan": str(path), "lowering": "eager", "device": DEVICE})
+    compile_microbatch(two, backend)
+    assert all(any("choice from the plan" in n for n in r.notes) for r in backend.reports())
+    with pytest.raises(Exception, match="made for another graph"):
+        compile_microbatch(dataclasses.replace(two, seq=16), kareus.KareusBackend(
+            {"plan": str(path), "lowering": "eager", "device": DEVICE}))
+    with pytest.raises(KareusError, match="made for another pipeline"):
+        step.check_layout(2, 2, 4, "1f1b", "plan.json")
 
 
 def test_a_budget_outside_the_frontier_states_the_range(stages):

@@ -45,7 +45,12 @@ def _loss(out, target):
 
 
 def _worker(rank, port, out_dir, world, tp, schedule, options, case):
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
 
     import kareus
     from kareus.backend import backend_for
@@ -58,12 +63,16 @@ def _worker(rank, port, out_dir, world, tp, schedule, options, case):
         mesh = dist.device_mesh.init_device_mesh("cpu", (pp, tp), mesh_dim_names=("pp", "tp"))
         stage_index = mesh.get_local_rank("pp")
         tp_group = mesh.get_group("tp") if tp > 1 else None
-        torch.manual_seed(stage_index)
         extra = case.get("extra_graph_stage") == stage_index
         dim, tokens = case.get("dim", 256), case.get("tokens", 32)
-        eager = Block(tp_group, extra, dim)
-        compiled = Block(tp_group, extra, dim)
-        compiled.load_state_dict(eager.state_dict())
+        virtual = case.get("virtual", 1)  # stages per rank (interleaved 1F1B)
+        local = [stage_index + v * pp for v in range(virtual)]
+        eager, compiled = [], []
+        for s in local:
+            torch.manual_seed(s)
+            eager.append(Block(tp_group, extra, dim))
+            compiled.append(Block(tp_group, extra, dim))
+            compiled[-1].load_state_dict(eager[-1].state_dict())
         if case.get("silent_stage") == stage_index:  # a stage that never reports
             pipeline_step.PipelinePlanning.__call__ = lambda self, shape: None
         if case.get("no_exchange"):  # the stored plan must serve
@@ -72,15 +81,18 @@ def _worker(rank, port, out_dir, world, tp, schedule, options, case):
             pipeline_step.exchange = refuse
         if case.get("slow_stage") == stage_index:
             time.sleep(2.0)
-        kind = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule]
+        kind = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe,
+                "interleaved_1f1b": ScheduleInterleaved1F1B}[schedule]
         group = mesh.get_group("pp")
 
-        def pipeline(module):
-            stage = PipelineStage(module, stage_index, pp, torch.device("cpu"), group=group)
-            return kind(stage, n_microbatches=MICROBATCHES, loss_fn=_loss)
+        def pipeline(modules):
+            stages = [PipelineStage(m, s, pp * virtual, torch.device("cpu"), group=group)
+                      for m, s in zip(modules, local, strict=True)]
+            return kind(stages if virtual > 1 else stages[0], n_microbatches=MICROBATCHES,
+                        loss_fn=_loss)
 
-        runs = {"eager": pipeline(eager),
-                "kareus": pipeline(torch.compile(compiled, backend="kareus", options=options))}
+        runs = {"eager": pipeline(eager), "kareus": pipeline(
+            [torch.compile(m, backend="kareus", options=options) for m in compiled])}
         modules = {"eager": eager, "kareus": compiled}
         recorder = kareus.RecordingClockController()
         worst = 0.0
@@ -89,7 +101,8 @@ def _worker(rank, port, out_dir, world, tp, schedule, options, case):
                             generator=torch.Generator().manual_seed(step))
             losses, grads = {}, {}
             for name, run in runs.items():
-                modules[name].zero_grad()
+                for m in modules[name]:
+                    m.zero_grad()
                 losses[name] = []
                 recorder.switches.clear()  # what the last step switched, only
                 clocked = kareus.use_controller(recorder) if name == "kareus" else None
@@ -98,7 +111,7 @@ def _worker(rank, port, out_dir, world, tp, schedule, options, case):
                         run.step(x)
                     else:
                         run.step(target=torch.zeros_like(x), losses=losses[name])
-                grads[name] = [p.grad.clone() for p in modules[name].parameters()]
+                grads[name] = [p.grad.clone() for m in modules[name] for p in m.parameters()]
             for a, b in zip(grads["eager"], grads["kareus"], strict=True):
                 torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
             for a, b in zip(losses["eager"], losses["kareus"], strict=True):
@@ -113,6 +126,8 @@ def _worker(rank, port, out_dir, world, tp, schedule, options, case):
                 baseline[i.stage, i.microbatch, i.kind] = sum(
                     g.calls * frontiers[g.label].baseline.time_s for g in i.graphs)
         labels = [r.label for r in kareus.graph_reports()]
+        planning = backend_for(options).pipeline
+        orders = planning.shape.orders if planning else None
         notes = [n for r in kareus.graph_reports() for n in r.notes]
         split = {label: [list(p) for p in next(o.choice.partitions for o in f.nanobatched
                                                if o.choice.nanobatches == 2)]
@@ -122,7 +137,7 @@ def _worker(rank, port, out_dir, world, tp, schedule, options, case):
             "plan": plan.to_json() if plan else None, "stage": stage_index,
             "switches": [(s.graph, s.mhz) for s in recorder.switches],
             "baseline": baseline, "labels": labels, "worst_loss_gap": worst, "split": split,
-            "notes": notes,
+            "notes": notes, "orders": orders,
         })
         dist.barrier()
     finally:
@@ -258,3 +273,22 @@ def test_a_plan_for_another_pipeline_is_refused(tmp_path):
                        r"stages on 2 ranks, 8 microbatches\) than this one \(1f1b, 2 stages on "
                        r"2 ranks, 4 microbatches\)"):
         _run(tmp_path, case={"steps": 1}, plan=str(path), nanobatches=1)
+
+
+def test_interleaved_1f1b_with_2_stages_per_rank_plans_every_stage_s_instructions(tmp_path):
+    results = _run(tmp_path, "interleaved_1f1b", case={"virtual": 2}, time_budget=1.0)
+    assert results[0]["plan"] is not None and results[0]["plan"] == results[1]["plan"]
+    plan = json.loads(results[0]["plan"])
+    assert plan["pipeline"] == {"schedule": "interleaved_1f1b", "stages": 4, "ranks": 2,
+                                "microbatches": MICROBATCHES}
+    assert {(i["stage"], i["kind"]) for i in plan["instructions"]} == {
+        (s, k) for s in range(4) for k in ("forward", "backward")}
+    assert plan["predicted"]["energy_j"] < plan["baseline"]["energy_j"]
+    # each rank switched per instruction, in the order torch's schedule runs its stages'
+    clocks = {(i["stage"], i["microbatch"], i["kind"]): i["clock_mhz"]
+              for i in plan["instructions"]}
+    for rank, r in enumerate(results):
+        order = r["orders"][rank]
+        assert len(order) == 2 * 2 * MICROBATCHES
+        assert [tuple(name.split(" ")[-2:]) + (mhz,) for name, mhz in r["switches"]] == [
+            (f"s{s}", f"{kind[0]}{m}", clocks[s, m, kind]) for s, m, kind in order]
