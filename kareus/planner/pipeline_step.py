@@ -73,11 +73,14 @@ class StageOptions:
     gpus: int
     graphs: dict[str, Composition]
     options: dict[str, dict[str, list[FrontierPoint]]]  # kind -> method -> options
+    costs: dict[str, list[FrontierPoint]]  # label -> each choice's cost of one call, per GPU
 
     def to_json(self) -> str:
         return json.dumps({
             "stage": self.stage, "gpus": self.gpus,
             "graphs": {k: [list(g) for g in v] for k, v in self.graphs.items()},
+            "costs": {label: [[o.time_s, o.effective_energy_j, dataclasses.astuple(o.choice)]
+                              for o in points] for label, points in self.costs.items()},
             "options": {k: {m: [[o.time_s, o.effective_energy_j, o.choice.clock_mhz,
                                  [dataclasses.astuple(c) for c in o.choice.graphs]]
                                 for o in opts] for m, opts in per.items()}
@@ -92,10 +95,15 @@ class StageOptions:
             choices = tuple(Choice(k, f, tuple(map(tuple, parts))) for k, f, parts in graphs)
             return FrontierPoint(t, e, InstructionChoice(clock, choices))
 
+        def cost(t: float, e: float, choice: list) -> FrontierPoint:
+            k, f, parts = choice
+            return FrontierPoint(t, e, Choice(k, f, tuple(map(tuple, parts))))
+
         return cls(raw["stage"], raw["gpus"],
                    {k: tuple(tuple(g) for g in v) for k, v in raw["graphs"].items()},
                    {k: {m: [point(*o) for o in opts] for m, opts in per.items()}
-                    for k, per in raw["options"].items()})
+                    for k, per in raw["options"].items()},
+                   {label: [cost(*o) for o in points] for label, points in raw["costs"].items()})
 
 
 def stage_options(
@@ -120,7 +128,13 @@ def stage_options(
                     f"stage {stage}'s {kind}: no clock at which all its graphs have a cost")
             options[kind][method] = [FrontierPoint(o.time_s, gpus * o.effective_energy_j,
                                                    o.choice) for o in found]
-    return StageOptions(stage, gpus, dict(compositions), options)
+    costs = {}
+    for graphs in compositions.values():
+        for label, _, _ in graphs:
+            f = frontiers[label]
+            costs[label] = list(dict.fromkeys(
+                (*f.points, *f.frequency_only, f.baseline, *f.nanobatched)))
+    return StageOptions(stage, gpus, dict(compositions), options, costs)
 
 
 def iteration_dag(shape: PipelineShape) -> PipelineDag:
@@ -201,7 +215,11 @@ def _plan(shape: PipelineShape, dag: PipelineDag, planned: IterationPlan,
     graphs: dict[str, GraphPlan] = {}
     for entry in instructions:
         for g in entry.graphs:
-            graphs.setdefault(g.label, GraphPlan(g.label, g.graph_hash, g.choice, 0.0, 0.0))
+            if g.label not in graphs:
+                cost = next(o for o in by_stage[entry.stage].costs[g.label]
+                            if o.choice == g.choice)
+                graphs[g.label] = GraphPlan(g.label, g.graph_hash, g.choice, cost.time_s,
+                                            cost.effective_energy_j)
 
     def cost(p: PipelinePoint) -> StepCost:
         return StepCost(p.time_s, p.energy_j)
