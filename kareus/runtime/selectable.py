@@ -88,11 +88,12 @@ class SelectableGraph:
         if now is not None:
             self._instructions.called(self.label, self.graph_hash)
         plan = self._plans.plan
-        if now is not None and plan is not None and plan.instructions:
-            entry = plan.instruction(*now)
+        if self._instructions is not None and plan is not None and plan.instructions:
+            entry = None if now is None else plan.instruction(*now)
             choice = None if entry is None else entry.choice_of(self.graph_hash)
             if choice is not None:
                 return self._run_instruction(now, choice, args)
+            plan = self._plan  # outside its instructions a graph keeps the choice it has
         if plan is not None and plan is not self._plan:
             self._plan = plan
             entry = next((g for g in plan.graphs if g.label == self.label
