@@ -41,9 +41,16 @@ HiGHS's absolute gap of 1e-6 is about 1e-11 of the optimum; each solution's cost
 recomputed exactly from its choices. A solve HiGHS stops before proving optimality (its
 time limit) raises ``PipelineSolveError``: a plan is never returned unproven.
 
+Every budget is one program (``solve_budget``): the fastest plan minimises T (then, of
+those, E); least energy within a time bounds T; the fastest within an energy adds E, being
+linear, as one row (E <= the limit); Zeus's trade-off minimises eta x E + (1 - eta) x
+P_max x T. A limit HiGHS meets, it meets within its feasibility tolerance (1e-7 of the
+scaled row: about 1e-12 of the limit).
+
 Options are pruned first, exactly: among options of one clock, one that is no faster and
 costs no less e - P_blocking x time than another is never needed (the other shortens no
-path less, changes no switch, and saves at least as much).
+path less, changes no switch, and saves at least as much: no budget prefers more time or
+more energy).
 
 We write our own solver rather than use ``lowtime`` (the Perseus authors'), which solves
 a continuous relaxation and ships wheels for few Python versions and platforms.
@@ -64,6 +71,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import csr_array
 
 from kareus.errors import KareusError
+from kareus.planner.budget import Budget, BudgetError, asked, limit_of
 from kareus.planner.compose import FrontierPoint, Switch, clock_of, fronts_by
 
 KINDS = ("forward", "backward")
@@ -98,8 +106,14 @@ class PipelineInputError(KareusError, ValueError):
     baseline not among them, durations of another length than the instructions."""
 
 
-class PipelineTimeLimitError(KareusError, ValueError):
-    """No plan of the pipeline finishes an iteration within the time limit."""
+class PipelineTimeLimitError(BudgetError):
+    """No plan of the pipeline finishes an iteration within the time limit (a time budget
+    no plan meets)."""
+
+
+class PipelineEnergyLimitError(BudgetError):
+    """No plan of the pipeline takes at most the energy limit an iteration (an energy
+    budget no plan meets)."""
 
 
 class PipelineSolveError(KareusError, RuntimeError):
@@ -415,6 +429,98 @@ def fastest(
     return _Solver(dag, options, model, max_solve_s).fastest()
 
 
+def fastest_within(
+    dag: PipelineDag,
+    options: Options,
+    *,
+    energy_limit_j: float,
+    model: EnergyModel,
+    max_solve_s: float | None = None,
+    best_found: bool = False,
+) -> PipelinePoint:
+    """The plan of the shortest iteration whose energy (``PipelinePoint.energy_j``, static
+    power's included) is at most ``energy_limit_j`` and, of those, the least energy; a
+    ``PipelineEnergyLimitError`` stating the range plans reach where none is frugal enough.
+    ``max_solve_s`` and ``best_found``: as for ``least_energy``."""
+    if math.isnan(energy_limit_j):
+        raise PipelineInputError("energy_limit_j: got nan; accepted: joules")
+    solver = _Solver(dag, options, model, max_solve_s, best_found)
+    return solver.fastest(energy_limit_j, f"{energy_limit_j:.4g} J")
+
+
+def least_tradeoff(
+    dag: PipelineDag,
+    options: Options,
+    *,
+    eta: float,
+    max_power_w: float,
+    model: EnergyModel,
+    max_solve_s: float | None = None,
+    best_found: bool = False,
+) -> PipelinePoint:
+    """The plan of least eta x E + (1 - eta) x ``max_power_w`` x T: Zeus's trade-off, a
+    second priced at P_max (the replica's power limit); eta 1 weighs energy only, eta 0 time
+    only (the fastest plan, and of those the least energy). ``max_solve_s`` and
+    ``best_found``: as for ``least_energy``."""
+    _check_tradeoff(eta, max_power_w)
+    return _Solver(dag, options, model, max_solve_s, best_found).least_tradeoff(eta, max_power_w)
+
+
+def solve_budget(
+    dag: PipelineDag,
+    options: Options,
+    budget: Budget,
+    *,
+    model: EnergyModel,
+    max_power_w: float,
+    baseline_point: PipelinePoint,
+    max_solve_s: float | None = None,
+    best_found: bool = False,
+) -> PipelinePoint:
+    """The plan ``budget`` asks for, solved exactly: the fastest; the least energy within a
+    time; the fastest within an energy; the least trade-off (``least_tradeoff``, P_max
+    ``max_power_w``). A time or energy budget is absolute (seconds or joules an iteration of
+    the replica, as ``PipelinePoint`` counts them) or a fraction of ``baseline_point``'s; one
+    no plan meets raises ``PipelineTimeLimitError`` or ``PipelineEnergyLimitError`` (both
+    ``BudgetError``s), stating the range plans reach. ``max_solve_s`` and ``best_found``: as
+    for ``least_energy``."""
+    if budget.kind not in ("fastest", "time", "energy", "tradeoff"):
+        raise BudgetError(
+            f"budget.kind: got {budget.kind!r}; accepted: 'fastest', 'time', 'energy', "
+            "'tradeoff'"
+        )
+    if budget.kind == "tradeoff":
+        _check_tradeoff(budget.value, max_power_w)
+    elif budget.kind != "fastest" and (budget.value is None) == (budget.fraction is None):
+        raise BudgetError(
+            f"budget: got {budget!r}; accepted: a {budget.kind} budget with a value (absolute) "
+            "or a fraction (of the baseline's), one of them"
+        )
+    solver = _Solver(dag, options, model, max_solve_s, best_found)
+    if budget.kind == "fastest":
+        return solver.fastest()
+    if budget.kind == "tradeoff":
+        return solver.least_tradeoff(budget.value, max_power_w)
+    limit = limit_of(budget, baseline_point)
+    what = f"the {budget.kind} budget {asked(budget, baseline_point, limit)}"
+    if budget.kind == "time":
+        return solver.least_energy(limit, what)
+    return solver.fastest(limit, what)
+
+
+def _check_tradeoff(eta: Any, max_power_w: Any) -> None:
+    if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not 0 <= eta <= 1:
+        raise PipelineInputError(
+            f"eta: got {eta!r}; accepted: a number in [0, 1] (1: energy only, 0: time only)"
+        )
+    if (isinstance(max_power_w, bool) or not isinstance(max_power_w, (int, float))
+            or not 0 < max_power_w < math.inf):
+        raise PipelineInputError(
+            f"max_power_w: got {max_power_w!r}; accepted: watts > 0, finite (P_max, the "
+            "replica's power limit, prices the trade-off's seconds)"
+        )
+
+
 def pipeline_frontier(
     dag: PipelineDag,
     options: Options,
@@ -531,7 +637,7 @@ class _Program:
 
 class _Solver:
     """The mixed-integer program of one DAG, options and energy model (the module
-    docstring's), built once and solved for any time limit."""
+    docstring's), built once and solved for any budget."""
 
     def __init__(self, dag: PipelineDag, options: Options, model: EnergyModel,
                  max_solve_s: float | None, best_found: bool = False) -> None:
@@ -633,9 +739,15 @@ class _Solver:
             clocks.setdefault(self.model.switch_key(o.choice), o.choice)
         return clocks
 
-    def _solve(self, objective: np.ndarray, limit_s: float | None) -> PipelinePoint | None:
-        """The optimum of ``objective`` within ``limit_s``, costed exactly; None where no
-        plan is fast enough."""
+    def _solve(
+        self, objective: np.ndarray, limit_s: float | None, limit_j: float | None = None
+    ) -> PipelinePoint | None:
+        """The optimum of ``objective`` within ``limit_s`` and ``limit_j`` (the energy: one
+        row more), costed exactly; None where no plan meets them."""
+        constraints = [self.constraints]
+        if limit_j is not None:
+            constraints.append(LinearConstraint(self.energy[np.newaxis], -math.inf,
+                                                limit_j / self.energy_unit))
         upper = self.upper.copy()
         upper[self.t_col] = math.inf if limit_s is None else limit_s / self.time_unit
         options: dict[str, float] = {"mip_rel_gap": 0.0}
@@ -643,7 +755,7 @@ class _Solver:
             options["time_limit"] = self.max_solve_s
         result = milp(objective, integrality=self.integrality,
                       bounds=Bounds(np.zeros(len(upper)), upper),
-                      constraints=self.constraints, options=options)
+                      constraints=constraints, options=options)
         if result.status == 2:
             return None
         gap = result.get("mip_gap")
@@ -663,22 +775,41 @@ class _Solver:
                  for opts, cols in zip(self.options, self.columns)]
         return _evaluate(self.dag, self.model, picks)
 
-    def fastest(self) -> PipelinePoint:
-        quick = self._solve(self.makespan, None)
-        frugal = self._solve(self.energy, quick.time_s) or quick
+    def fastest(self, limit_j: float | None = None, what: str = "") -> PipelinePoint:
+        """The fastest plan within ``limit_j`` (``what``: the limit, in words)."""
+        quick = self._solve(self.makespan, None, limit_j)
+        if quick is None:
+            fast, frugal = self.fastest(), self._solve(self.energy, None)
+            raise PipelineEnergyLimitError(
+                f"no plan of the pipeline takes at most {what} an iteration: the least-energy "
+                f"plan takes {frugal.energy_j:.4g} J ({frugal.time_s:.4g} s), the fastest "
+                f"{fast.energy_j:.4g} J ({fast.time_s:.4g} s)"
+            )
+        frugal = self._solve(self.energy, quick.time_s, limit_j) or quick
         # of the two, the faster (rounding may let the second be slower by a hair)
         return min((quick, frugal), key=lambda p: (p.time_s, p.energy_j))
 
-    def least_energy(self, limit_s: float | None) -> PipelinePoint:
+    def least_energy(self, limit_s: float | None, what: str = "") -> PipelinePoint:
+        """The least-energy plan within ``limit_s`` (``what``: the limit, in words; by
+        default its seconds)."""
         found = self._solve(self.energy, limit_s)
         if found is None:
             quick, frugal = self.fastest(), self._solve(self.energy, None)
             raise PipelineTimeLimitError(
-                f"no plan of the pipeline finishes an iteration within {limit_s:.4g} s: the "
-                f"fastest takes {quick.time_s:.4g} s ({quick.energy_j:.4g} J), the least-energy "
-                f"plan {frugal.time_s:.4g} s ({frugal.energy_j:.4g} J)"
+                f"no plan of the pipeline finishes an iteration within "
+                f"{what or f'{limit_s:.4g} s'}: the fastest takes {quick.time_s:.4g} s "
+                f"({quick.energy_j:.4g} J), the least-energy plan {frugal.time_s:.4g} s "
+                f"({frugal.energy_j:.4g} J)"
             )
         return found
+
+    def least_tradeoff(self, eta: float, max_power_w: float) -> PipelinePoint:
+        """The plan of least eta x E + (1 - eta) x ``max_power_w`` x T."""
+        if eta == 0:  # time only: of the fastest plans, the least energy
+            return self.fastest()
+        objective = eta * self.energy
+        objective[self.t_col] += (1 - eta) * max_power_w * self.time_unit / self.energy_unit
+        return self._solve(objective, None)
 
 
 def _prune(points: Sequence[FrontierPoint], model: EnergyModel) -> tuple[FrontierPoint, ...]:

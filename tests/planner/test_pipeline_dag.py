@@ -1,7 +1,7 @@
 """The pipeline-parallel iteration: its DAG (1F1B, GPipe and interleaved 1F1B against the
 orders torch's schedules run, any per-rank orders), its critical path, and its exact planner
-against brute force on random small pipelines (every combination of options costed by an
-independent, vectorised evaluation of the energy model)."""
+under every budget against brute force on random small pipelines (every combination of
+options costed by an independent, vectorised evaluation of the energy model)."""
 
 from __future__ import annotations
 
@@ -22,11 +22,13 @@ from torch.distributed.pipelining.schedules import (
 
 from kareus.errors import KareusError
 from kareus.passes.decide import Choice
+from kareus.planner.budget import Budget, BudgetError
 from kareus.planner.compose import FrontierPoint
 from kareus.planner.pipeline import (
     KINDS,
     EnergyModel,
     PipelineActionError,
+    PipelineEnergyLimitError,
     PipelineInputError,
     PipelineOrderError,
     PipelineShapeError,
@@ -34,13 +36,16 @@ from kareus.planner.pipeline import (
     PipelineTimeLimitError,
     baseline,
     fastest,
+    fastest_within,
     from_orders,
     gpipe,
     interleaved_one_f_one_b,
     least_energy,
+    least_tradeoff,
     one_f_one_b,
     pipeline_frontier,
     schedule,
+    solve_budget,
     torch_orders,
 )
 
@@ -410,6 +415,25 @@ def test_malformed_inputs_are_refused():
         pipeline_frontier(dag, options, model=model, points=1)
     with pytest.raises(PipelineInputError, match="nan"):
         least_energy(dag, options, time_limit_s=float("nan"), model=model)
+    with pytest.raises(PipelineInputError, match="energy_limit_j: got nan; accepted: joules"):
+        fastest_within(dag, options, energy_limit_j=float("nan"), model=model)
+    for eta in (-0.1, 1.5, True, "0.5"):
+        with pytest.raises(PipelineInputError, match=r"eta: got .*; accepted: a number in "
+                                                     r"\[0, 1\]"):
+            least_tradeoff(dag, options, eta=eta, max_power_w=100.0, model=model)
+    for power in (0.0, -1.0, math.inf, None):
+        with pytest.raises(PipelineInputError, match="max_power_w: got .*; accepted: watts > 0"):
+            least_tradeoff(dag, options, eta=0.5, max_power_w=power, model=model)
+    base = baseline(dag, options, {k: v[0] for k, v in options.items()}, model=model)
+    for budget, message in (
+        (Budget("speed"), r"budget.kind: got 'speed'; accepted: 'fastest', 'time'"),
+        (Budget("time"), r"accepted: a time budget with a value \(absolute\) or a fraction"),
+        (Budget("energy", value=1.0, fraction=1.0), "one of them"),
+        (Budget("tradeoff", value=2.0), r"eta: got 2\.0"),
+    ):
+        with pytest.raises(KareusError, match=message):
+            solve_budget(dag, options, budget, model=model, max_power_w=100.0,
+                         baseline_point=base)
 
 
 def test_a_solve_not_proven_optimal_is_an_error():
@@ -589,3 +613,97 @@ def test_a_limit_below_the_fastest_states_the_range(seed):
     with pytest.raises(PipelineTimeLimitError, match=f"the fastest takes {quick.time_s:.4g} s"):
         least_energy(dag, options, time_limit_s=quick.time_s * 0.99, model=model)
 
+
+# -- every budget, against brute force ----------------------------------------------------
+
+
+def _fastest_within(costs, limit):
+    """The least time of the plans within ``limit`` joules, and of those the least energy."""
+    makespan, energy = costs
+    fits = energy <= limit * (1 + 1e-12)
+    quickest = makespan[fits].min()
+    return quickest, energy[fits & (makespan <= quickest * (1 + 1e-12))].min()
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_every_budget_matches_brute_force(seed):
+    rng = random.Random(1000 + seed)
+    dag, options, model, base_of = _case(rng)
+    costs = makespan, energy = _brute_force(dag, options, model)
+    base = baseline(dag, options, base_of, model=model)
+
+    for limit in (energy.min(), base.energy_j, rng.uniform(energy.min(), energy.max()),
+                  math.inf):
+        point = fastest_within(dag, options, energy_limit_j=limit, model=model)
+        quickest, least = _fastest_within(costs, limit)
+        assert _close(point.time_s, quickest) and _close(point.energy_j, least), limit
+        assert point.energy_j <= limit * (1 + 1e-9)
+    with pytest.raises(PipelineEnergyLimitError,
+                       match=f"the least-energy plan takes {energy.min():.4g} J"):
+        fastest_within(dag, options, energy_limit_j=energy.min() * 0.99, model=model)
+
+    max_power_w = rng.uniform(1, 3) * (model.static_power_w + 60 * dag.ranks)
+    for eta in (0.0, rng.random(), 1.0):
+        point = least_tradeoff(dag, options, eta=eta, max_power_w=max_power_w, model=model)
+        objective = eta * energy + (1 - eta) * max_power_w * makespan
+        assert _close(eta * point.energy_j + (1 - eta) * max_power_w * point.time_s,
+                      objective.min()), eta
+        if eta == 0:  # time only: of the fastest plans, the least energy
+            assert _close(point.energy_j, _least(costs, makespan.min()))
+
+    def solve(budget):
+        return solve_budget(dag, options, budget, model=model, max_power_w=max_power_w,
+                            baseline_point=base)
+
+    quick = solve(Budget("fastest"))
+    assert _close(quick.time_s, makespan.min())
+    assert _close(quick.energy_j, _least(costs, makespan.min()))
+    eta = rng.random()
+    traded = solve(Budget("tradeoff", value=eta))
+    assert _close(eta * traded.energy_j + (1 - eta) * max_power_w * traded.time_s,
+                  (eta * energy + (1 - eta) * max_power_w * makespan).min())
+    for budget, limit in ((Budget("time", fraction=1.0), base.time_s),
+                          (Budget("time", value=makespan.min()), makespan.min())):
+        assert _close(solve(budget).energy_j, _least(costs, limit)), budget
+    spend = rng.uniform(energy.min(), energy.max())
+    for budget, limit in ((Budget("energy", fraction=1.0), base.energy_j),
+                          (Budget("energy", value=spend), spend)):
+        point = solve(budget)
+        assert (_close(point.time_s, _fastest_within(costs, limit)[0])
+                and _close(point.energy_j, _fastest_within(costs, limit)[1])), budget
+
+    short = 0.99 * makespan.min() / base.time_s
+    with pytest.raises(PipelineTimeLimitError,
+                       match=f"within the time budget {short:g} of the baseline's "
+                             f"{base.time_s:.4g} s = .*: the fastest takes "
+                             f"{makespan.min():.4g} s"):
+        solve(Budget("time", fraction=short))
+    with pytest.raises(BudgetError, match=f"the least-energy plan takes {energy.min():.4g} J"):
+        solve(Budget("energy", value=0.99 * energy.min()))
+
+
+def test_budgets_no_plan_meets_are_budget_errors_stating_the_range():
+    # 1F1B 2 x 2, forward 1 s / 10 J, backward 2 s / 20 J, 100 W static: the one plan takes
+    # 9 s (by hand above), 120 J + 900 J static.
+    dag = one_f_one_b(2, 2)
+    options = _uniform(P(1.0, 10.0, "f"), P(2.0, 20.0, "b"))
+    model = EnergyModel(static_power_w=100.0, switch_key=lambda c: 0)
+    base = baseline(dag, options, {k: v[0] for k, v in options.items()}, model=model)
+    assert (base.time_s, base.energy_j) == (9.0, 1020.0)
+
+    def solve(budget):
+        return solve_budget(dag, options, budget, model=model, max_power_w=400.0,
+                            baseline_point=base)
+
+    with pytest.raises(PipelineTimeLimitError, match=(
+            r"no plan of the pipeline finishes an iteration within the time budget 0\.5 of "
+            r"the baseline's 9 s = 4\.5 s: the fastest takes 9 s \(1020 J\), the least-energy "
+            r"plan 9 s \(1020 J\)")):
+        solve(Budget("time", fraction=0.5))
+    with pytest.raises(PipelineEnergyLimitError, match=(
+            r"no plan of the pipeline takes at most the energy budget 900 J an iteration: "
+            r"the least-energy plan takes 1020 J \(9 s\), the fastest 1020 J \(9 s\)")):
+        solve(Budget("energy", value=900.0))
+    assert issubclass(PipelineTimeLimitError, BudgetError)
+    assert issubclass(PipelineEnergyLimitError, BudgetError)
+    assert issubclass(PipelineEnergyLimitError, ValueError)
