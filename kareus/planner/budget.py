@@ -125,7 +125,7 @@ def choose(
     if budget.kind == "tradeoff":
         eta = budget.value
         return min(frontier, key=lambda p: eta * p.energy_j + (1 - eta) * max_power_w * p.time_s)
-    limit = _limit(budget, baseline)
+    limit = limit_of(budget, baseline)
     if budget.kind == "energy":
         fits = [p for p in frontier if p.energy_j <= limit]
         if fits:
@@ -144,12 +144,12 @@ def constrains_nothing(frontier: Sequence[Cost], baseline: Cost, budget: Budget)
     if budget.kind not in ("energy", "time") or not frontier:
         return None
     measure, unit = _bounded(budget)
-    limit, high = _limit(budget, baseline), max(map(measure, frontier))
+    limit, high = limit_of(budget, baseline), max(map(measure, frontier))
     if high > limit:
         return None
     runs = ("the fastest plan runs, as without a budget" if budget.kind == "energy"
             else "the least-energy plan runs, whatever its time")
-    return (f"the {budget.kind} budget {_asked(budget, baseline, limit)} per step constrains "
+    return (f"the {budget.kind} budget {asked(budget, baseline, limit)} per step constrains "
             f"nothing: every plan meets it (the most any takes is {high:.4g} {unit}); {runs}")
 
 
@@ -160,13 +160,15 @@ def _bounded(budget: Budget) -> tuple[Callable[[Cost], float], str]:
     return (lambda c: c.time_s), "s"
 
 
-def _limit(budget: Budget, baseline: Cost) -> float:
-    """What an energy (J) or time (s) budget allows per step."""
+def limit_of(budget: Budget, baseline: Cost) -> float:
+    """What an energy (J) or time (s) budget allows per step: its value, or its fraction of
+    the baseline's."""
     measure, _ = _bounded(budget)
     return budget.value if budget.value is not None else budget.fraction * measure(baseline)
 
 
-def _asked(budget: Budget, baseline: Cost, limit: float) -> str:
+def asked(budget: Budget, baseline: Cost, limit: float) -> str:
+    """An energy or time budget in words ("0.9 of the baseline's 10 s = 9 s", "9 s")."""
     measure, unit = _bounded(budget)
     return (f"{budget.fraction:g} of the baseline's {measure(baseline):.4g} {unit} = "
             f"{limit:.4g} {unit}" if budget.fraction is not None else f"{limit:.4g} {unit}")
@@ -177,7 +179,7 @@ def _unmet(frontier: Sequence[StepPoint], baseline: StepPoint, budget: Budget, l
     low, high = min(map(measure, frontier)), max(map(measure, frontier))
     base = measure(baseline)
     return (
-        f"no plan meets the {budget.kind} budget {_asked(budget, baseline, limit)} per step: "
+        f"no plan meets the {budget.kind} budget {asked(budget, baseline, limit)} per step: "
         f"the plans reach {low:.4g} to {high:.4g} {unit} ({low / base:.3g} to "
         f"{high / base:.3g} of the baseline)"
     )

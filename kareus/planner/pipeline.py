@@ -1,46 +1,56 @@
 """The pipeline-parallel iteration as a DAG of instructions, planned exactly.
 
-With S stages and M microbatches an iteration is a DAG of instructions (stage,
-microbatch, forward | backward). Each stage runs its instructions one after another in its
-schedule's order (``one_f_one_b``, ``gpipe``); across stages, a microbatch's forward on
-stage s feeds its forward on s + 1, its backward on s + 1 feeds its backward on s, and the
-last stage turns a microbatch's forward into its backward. An instruction starts once its
-predecessors have finished, so the iteration's time T is the DAG's longest path
-(``schedule``).
+With S stages on R ranks (GPUs) and M microbatches an iteration is a DAG of instructions
+(stage, microbatch, forward | backward). Each rank runs the instructions of its stages one
+after another in its order: one stage per rank in ``one_f_one_b`` and ``gpipe``; V = S / R
+stages per rank ("virtual stages", stage s on rank s mod R) in ``interleaved_one_f_one_b``;
+any orders in ``from_orders``, such as torch's own schedule's (``torch_orders``). Across
+stages, a microbatch's forward on stage s feeds its forward on s + 1, its backward on s + 1
+feeds its backward on s, and the last stage turns a microbatch's forward into its backward.
+An instruction starts once its predecessors (its rank's previous instruction, and what
+feeds it) have finished, so the iteration's time T is the DAG's longest path
+(``schedule``); orders in which instructions would wait on each other in a cycle (a
+deadlock) are refused.
 
 Each instruction picks one of its options (frontier points of its graph: a time, an
 effective energy and a choice holding a clock). The iteration's energy is Perseus's model
 (Chung et al., SOSP '24):
 
-    E = sum_i e(o_i) + sum of switch joules + P_blocking x sum_s (T - busy_s) + P_static x T
+    E = sum_i e(o_i) + sum of switch joules + P_blocking x sum_r (T - busy_r) + P_static x T
 
 ``e``: an option's effective energy (above static); a clock switch, between consecutive
-instructions of a stage whose clocks differ and from a stage's last instruction round to
-its first (the next iteration's), costs what the device says (seconds, effective joules)
-and its seconds delay what follows on that stage (the round-trip one ends the stage
-later). ``busy_s``: the time stage s computes or switches; the rest of T it is blocked on
-another stage, drawing ``P_blocking`` above static (per GPU; 0 on the simulated GPU, where
-a blocked GPU draws exactly its static power). ``P_static``: of all the replica's GPUs
-together, over the whole iteration. A switch's time is not blocked time: its joules price
-it whole.
+instructions of a rank whose clocks differ and from a rank's last instruction round to its
+first (the next iteration's), costs what the device says (seconds, effective joules) and
+its seconds delay what follows on that rank (the round-trip one ends the rank later).
+``busy_r``: the time rank r computes or switches; the rest of T it is blocked on another
+rank, drawing ``P_blocking`` above static (per GPU; 0 on the simulated GPU, where a blocked
+GPU draws exactly its static power). ``P_static``: of all the replica's GPUs together, over
+the whole iteration. A switch's time is not blocked time: its joules price it whole.
 
 The planner is exact: a mixed-integer linear program solved by HiGHS
 (``scipy.optimize.milp``) to a zero gap. Binaries x[i, o] pick one option per
 instruction; start times s_i and T are continuous; between consecutive instructions i -> j
-of a stage the switch is a transport w[a, b] >= 0 from i's clock a to j's clock b
+of a rank the switch is a transport w[a, b] >= 0 from i's clock a to j's clock b
 (sum_b w[a, b] = i's indicator of clock a, sum_a w[a, b] = j's of b: with integral
 indicators w is their product, whatever the switch costs); precedence s_j >= s_i + d_i
-(+ the switch's seconds along a stage), T >= every stage's end. Everything is linear:
-sum_s busy_s = sum_i d_i + the switch seconds, so E = sum (e - P_blocking d) x
-+ sum (q - P_blocking seconds) w + (S P_blocking + P_static) T. Times are scaled to a
+(+ the switch's seconds along a rank), T >= every rank's end. Everything is linear:
+sum_r busy_r = sum_i d_i + the switch seconds, so E = sum (e - P_blocking d) x
++ sum (q - P_blocking seconds) w + (R P_blocking + P_static) T. Times are scaled to a
 mean instruction of 1, and energies (and, minimising time, T) to about 1e5 so that
 HiGHS's absolute gap of 1e-6 is about 1e-11 of the optimum; each solution's cost is then
 recomputed exactly from its choices. A solve HiGHS stops before proving optimality (its
 time limit) raises ``PipelineSolveError``: a plan is never returned unproven.
 
+Every budget is one program (``solve_budget``): the fastest plan minimises T (then, of
+those, E); least energy within a time bounds T; the fastest within an energy adds E, being
+linear, as one row (E <= the limit); Zeus's trade-off minimises eta x E + (1 - eta) x
+P_max x T. A limit HiGHS meets, it meets within its feasibility tolerance (1e-7 of the
+scaled row: about 1e-12 of the limit).
+
 Options are pruned first, exactly: among options of one clock, one that is no faster and
 costs no less e - P_blocking x time than another is never needed (the other shortens no
-path less, changes no switch, and saves at least as much).
+path less, changes no switch, and saves at least as much: no budget prefers more time or
+more energy).
 
 We write our own solver rather than use ``lowtime`` (the Perseus authors'), which solves
 a continuous relaxation and ships wheels for few Python versions and platforms.
@@ -61,6 +71,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import csr_array
 
 from kareus.errors import KareusError
+from kareus.planner.budget import Budget, BudgetError, asked, limit_of
 from kareus.planner.compose import FrontierPoint, Switch, clock_of, fronts_by
 
 KINDS = ("forward", "backward")
@@ -69,9 +80,25 @@ Options = Mapping[tuple[int, str], Sequence[FrontierPoint]]
 """The options of every (stage, kind): each microbatch's instruction of that stage and kind
 picks one of them, on its own."""
 
+Order = Sequence[tuple[int, int, str]]
+"""A rank's instructions as (stage, microbatch, kind), in the order it runs them."""
+
+_TORCH_KINDS = {"F": "forward", "B": "backward"}
+"""torch's computation types (``_ComputationType`` values) the DAG has an instruction for."""
+
 
 class PipelineShapeError(KareusError, ValueError):
     """A pipeline the schedule cannot be built for (too few stages or microbatches)."""
+
+
+class PipelineOrderError(KareusError, ValueError):
+    """Per-rank orders no DAG can be built from: an instruction missing, repeated or out
+    of range, a stage on two ranks, or instructions waiting on each other in a cycle."""
+
+
+class PipelineActionError(PipelineOrderError):
+    """A torch schedule action the DAG has no instruction for (a split backward, an
+    overlapped forward and backward, a communication or gradient reduction)."""
 
 
 class PipelineInputError(KareusError, ValueError):
@@ -79,8 +106,14 @@ class PipelineInputError(KareusError, ValueError):
     baseline not among them, durations of another length than the instructions."""
 
 
-class PipelineTimeLimitError(KareusError, ValueError):
-    """No plan of the pipeline finishes an iteration within the time limit."""
+class PipelineTimeLimitError(BudgetError):
+    """No plan of the pipeline finishes an iteration within the time limit (a time budget
+    no plan meets)."""
+
+
+class PipelineEnergyLimitError(BudgetError):
+    """No plan of the pipeline takes at most the energy limit an iteration (an energy
+    budget no plan meets)."""
 
 
 class PipelineSolveError(KareusError, RuntimeError):
@@ -97,22 +130,25 @@ class Instruction:
 
 @dataclass(frozen=True)
 class PipelineDag:
-    """An iteration's instructions, each stage's execution order (indices into
-    ``instructions``, a stage's in the order it runs them) and the dependency edges
-    (predecessor, successor), the stage orders' included."""
+    """An iteration's instructions, each rank's execution order (``orders[r]``: indices into
+    ``instructions``, in the order GPU r runs them, its stages' interleaved) and the
+    dependency edges (predecessor, successor), the rank orders' consecutive pairs
+    included."""
 
     stages: int
+    ranks: int
     microbatches: int
     instructions: tuple[Instruction, ...]
-    stage_orders: tuple[tuple[int, ...], ...]
+    orders: tuple[tuple[int, ...], ...]
     edges: tuple[tuple[int, int], ...]
 
 
 def one_f_one_b(stages: int, microbatches: int) -> PipelineDag:
-    """1F1B: stage s warms up with S - s - 1 forwards, then alternates one forward and one
-    backward, then cools down with the remaining backwards; it keeps at most S - s
-    microbatches' activations. Needs at least as many microbatches as stages."""
-    _check_shape(stages, microbatches)
+    """1F1B, one stage per rank: stage s warms up with S - s - 1 forwards, then alternates
+    one forward and one backward, then cools down with the remaining backwards; it keeps at
+    most S - s microbatches' activations. Needs at least as many microbatches as stages.
+    torch's ``Schedule1F1B`` runs this order."""
+    _check_counts(stages=stages, microbatches=microbatches)
     if microbatches < stages:
         raise PipelineShapeError(
             f"1F1B needs at least as many microbatches as stages: got {microbatches} for "
@@ -121,52 +157,204 @@ def one_f_one_b(stages: int, microbatches: int) -> PipelineDag:
     orders = []
     for s in range(stages):
         warm = stages - s - 1
-        steady = [(kind, m) for k in range(microbatches - warm)
-                  for kind, m in (("forward", warm + k), ("backward", k))]
-        orders.append([("forward", m) for m in range(warm)] + steady
-                      + [("backward", m) for m in range(microbatches - warm, microbatches)])
-    return _dag(stages, microbatches, orders)
+        steady = [(s, m, kind) for k in range(microbatches - warm)
+                  for m, kind in ((warm + k, "forward"), (k, "backward"))]
+        orders.append([(s, m, "forward") for m in range(warm)] + steady
+                      + [(s, m, "backward") for m in range(microbatches - warm, microbatches)])
+    return from_orders(stages, microbatches, orders)
 
 
 def gpipe(stages: int, microbatches: int) -> PipelineDag:
-    """GPipe: every stage runs all its forwards, then all its backwards."""
-    _check_shape(stages, microbatches)
-    order = ([("forward", m) for m in range(microbatches)]
-             + [("backward", m) for m in range(microbatches)])
-    return _dag(stages, microbatches, [order] * stages)
+    """GPipe, one stage per rank: every stage runs all its forwards, then all its
+    backwards (torch's ``ScheduleGPipe``)."""
+    _check_counts(stages=stages, microbatches=microbatches)
+    return from_orders(stages, microbatches, [
+        [(s, m, kind) for kind in KINDS for m in range(microbatches)] for s in range(stages)
+    ])
 
 
-def _check_shape(stages: int, microbatches: int) -> None:
-    for name, n in (("stages", stages), ("microbatches", microbatches)):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise PipelineShapeError(f"{name}: got {n!r}; accepted: an integer >= 1")
+def interleaved_one_f_one_b(ranks: int, virtual: int, microbatches: int) -> PipelineDag:
+    """Interleaved 1F1B (Narayanan et al., SC '21) exactly as torch 2.13's
+    ``ScheduleInterleaved1F1B`` orders it: ``virtual`` stages per rank, stage s on rank
+    s mod R. Microbatches go in rounds of M / max(1, M // R) (M must be a multiple of the
+    rounds); a rank runs each of its stages' forwards for a round in turn, depth first,
+    and its backwards from its last stage back. Rank r warms up with (V - 1) x round + 2 x
+    (R - 1 - r) forwards (at most all V x M), then alternates a forward and a backward,
+    then runs the backwards left."""
+    _check_counts(ranks=ranks, virtual=virtual, microbatches=microbatches)
+    rounds = max(1, microbatches // ranks)
+    if microbatches % rounds:
+        raise PipelineShapeError(
+            f"interleaved 1F1B runs microbatches in {rounds} rounds of equal size "
+            f"(max(1, microbatches // ranks)): got {microbatches} microbatches for {ranks} "
+            f"ranks; accepted: a multiple of {rounds}"
+        )
+    size = microbatches // rounds
+    chunks = virtual * microbatches  # forwards (and backwards) a rank runs
+
+    def rank_order(rank: int) -> list[tuple[int, int, str]]:
+        def nth(k: int, kind: str) -> tuple[int, int, str]:
+            """The rank's k-th forward or backward: its round k // (V x size), its virtual
+            stage (k // size) mod V (backwards from the last), the round's (k mod size)-th
+            microbatch."""
+            local = (k // size) % virtual
+            local = virtual - 1 - local if kind == "backward" else local
+            return local * ranks + rank, (k // (size * virtual)) * size + k % size, kind
+
+        warm = min((virtual - 1) * size + 2 * (ranks - 1 - rank), chunks)
+        forwards = [nth(k, "forward") for k in range(chunks)]
+        backwards = [nth(k, "backward") for k in range(chunks)]
+        steady = [op for pair in zip(forwards[warm:], backwards) for op in pair]
+        return forwards[:warm] + steady + backwards[chunks - warm:]
+
+    return from_orders(ranks * virtual, microbatches, [rank_order(r) for r in range(ranks)])
 
 
-def _dag(
-    stages: int, microbatches: int, orders: Sequence[Sequence[tuple[str, int]]]
-) -> PipelineDag:
-    """The DAG of stages running ``orders`` ((kind, microbatch) per stage, in order)."""
-    instructions = tuple(Instruction(s, m, kind) for s, order in enumerate(orders)
-                         for kind, m in order)
-    index = {(i.stage, i.microbatch, i.kind): n for n, i in enumerate(instructions)}
-    stage_orders = tuple(tuple(index[s, m, kind] for kind, m in order)
-                         for s, order in enumerate(orders))
-    edges = {(a, b): None for order in stage_orders for a, b in itertools.pairwise(order)}
+def torch_orders(pipeline_order: Mapping[int, Sequence[Any]]) -> list[list[tuple[int, int, str]]]:
+    """Each rank's order, as ``from_orders`` takes it, from a torch schedule's
+    ``pipeline_order`` (rank -> its actions, None an idle step, skipped). Only forward and
+    full-backward actions have instructions: any other (zero bubble's split backward I and
+    W, an overlapped F and B, a gradient reduction) raises ``PipelineActionError``."""
+    ranks = sorted(pipeline_order)
+    if ranks != list(range(len(ranks))):
+        raise PipelineOrderError(
+            f"pipeline_order: ranks {ranks}; accepted: ranks 0 to n - 1, each once"
+        )
+    return [[_torch_instruction(action, f"pipeline_order[{r}][{k}]")
+             for k, action in enumerate(pipeline_order[r]) if action is not None]
+            for r in ranks]
+
+
+def _torch_instruction(action: Any, where: str) -> tuple[int, int, str]:
+    """A torch ``_Action``'s (stage, microbatch, kind); ``where``: its place, for errors."""
+    computation = action.computation_type
+    kind = _TORCH_KINDS.get(getattr(computation, "value", computation))
+    if kind is None:
+        raise PipelineActionError(
+            f"{where}: got {action!r} ({getattr(computation, 'name', computation)}); "
+            "accepted: FORWARD (F) and FULL_BACKWARD (B) actions, or None: the DAG has no "
+            "instruction for a split backward (zero bubble's I and W), an overlapped F and B, "
+            "a communication or a gradient reduction"
+        )
+    return action.stage_index, action.microbatch_index, kind
+
+
+def from_orders(stages: int, microbatches: int, orders: Sequence[Order]) -> PipelineDag:
+    """The DAG of ranks running ``orders``: one per rank (GPU), its instructions (stage,
+    microbatch, kind) in the order it runs them. Every stage's forward and backward of
+    every microbatch runs once, each stage's on one rank; orders that deadlock (instructions
+    waiting on each other in a cycle) raise ``PipelineOrderError``, naming the cycle."""
+    _check_counts(stages=stages, microbatches=microbatches)
+    instructions, rank_orders = _read_orders(stages, microbatches, orders)
+    index = {i: n for n, i in enumerate(instructions)}
+
+    def at(s: int, m: int, kind: str) -> int:
+        return index[Instruction(s, m, kind)]
+
+    edges = {(a, b): None for order in rank_orders for a, b in itertools.pairwise(order)}
     last = stages - 1
     for m in range(microbatches):
         for s in range(last):
-            edges[index[s, m, "forward"], index[s + 1, m, "forward"]] = None
-            edges[index[s + 1, m, "backward"], index[s, m, "backward"]] = None
-        edges[index[last, m, "forward"], index[last, m, "backward"]] = None
-    return PipelineDag(stages, microbatches, instructions, stage_orders, tuple(edges))
+            edges[at(s, m, "forward"), at(s + 1, m, "forward")] = None
+            edges[at(s + 1, m, "backward"), at(s, m, "backward")] = None
+        edges[at(last, m, "forward"), at(last, m, "backward")] = None
+    dag = PipelineDag(stages, len(rank_orders), microbatches, instructions, rank_orders,
+                      tuple(edges))
+    try:
+        graphlib.TopologicalSorter(_predecessors(dag)).prepare()
+    except graphlib.CycleError as cycle:
+        path = " -> ".join(_label(instructions[i]) for i in cycle.args[1])
+        raise PipelineOrderError(
+            f"orders deadlock: in {path} (stage, F|B, microbatch) each instruction waits for "
+            "the one before it (its rank runs it later, or it needs its output); accepted: "
+            "orders without such a cycle"
+        ) from None
+    return dag
+
+
+def _read_orders(
+    stages: int, microbatches: int, orders: Sequence[Order]
+) -> tuple[tuple[Instruction, ...], tuple[tuple[int, ...], ...]]:
+    """The instructions of ``orders``, rank by rank, and each rank's order as indices into
+    them; a ``PipelineOrderError`` where one is missing, repeated or out of range, a stage
+    is on two ranks or a rank runs nothing."""
+    if not orders:
+        raise PipelineOrderError("orders: none given; accepted: one order per rank (>= 1)")
+    where: dict[Instruction, str] = {}  # each instruction, and where in orders it is
+    rank_of: dict[int, tuple[int, str]] = {}  # each stage's rank, and where it first runs
+    for r, order in enumerate(orders):
+        if not order:
+            raise PipelineOrderError(
+                f"orders[{r}]: empty; accepted: every rank runs at least one instruction"
+            )
+        for k, item in enumerate(order):
+            here = f"orders[{r}][{k}]"
+            i = _instruction(item, stages, microbatches, here)
+            if i in where:
+                raise PipelineOrderError(
+                    f"{here}: {_label(i)} runs a second time (first at {where[i]}); accepted: "
+                    "each instruction once"
+                )
+            first_rank, first = rank_of.setdefault(i.stage, (r, here))
+            if first_rank != r:
+                raise PipelineOrderError(
+                    f"{here}: stage {i.stage} runs on rank {r} and on rank {first_rank} (at "
+                    f"{first}); accepted: each stage's instructions on one rank"
+                )
+            where[i] = here
+    missing = [i for s in range(stages) for m in range(microbatches) for kind in KINDS
+               if (i := Instruction(s, m, kind)) not in where]
+    if missing:
+        raise PipelineOrderError(
+            f"orders: {len(missing)} instruction{'s' * (len(missing) > 1)} never run ("
+            f"{', '.join(map(_label, missing[:6]))}{', ...' if len(missing) > 6 else ''}: "
+            "stage, F|B, microbatch); accepted: each stage's forward and backward of each "
+            f"microbatch, {stages} x {microbatches} x 2 in all"
+        )
+    ends = list(itertools.accumulate(map(len, orders)))
+    return tuple(where), tuple(tuple(range(end - len(order), end))
+                               for order, end in zip(orders, ends))
+
+
+def _instruction(item: Any, stages: int, microbatches: int, where: str) -> Instruction:
+    """``item`` of an order as an instruction; a ``PipelineOrderError`` where it is none of
+    the pipeline's."""
+    match item:
+        case (int() as s, int() as m, str() as kind) if (
+            not isinstance(s, bool) and not isinstance(m, bool) and 0 <= s < stages
+            and 0 <= m < microbatches and kind in KINDS
+        ):
+            return Instruction(s, m, kind)
+    raise PipelineOrderError(
+        f"{where}: got {item!r}; accepted: (stage, microbatch, kind) with stage 0 to "
+        f"{stages - 1}, microbatch 0 to {microbatches - 1}, kind 'forward' or 'backward'"
+    )
+
+
+def _label(i: Instruction) -> str:
+    """torch's notation: stage, F | B, microbatch ("1B0")."""
+    return f"{i.stage}{i.kind[0].upper()}{i.microbatch}"
+
+
+def _predecessors(dag: PipelineDag) -> dict[int, list[int]]:
+    preds: dict[int, list[int]] = {i: [] for i in range(len(dag.instructions))}
+    for a, b in dag.edges:
+        preds[b].append(a)
+    return preds
+
+
+def _check_counts(**counts: int) -> None:
+    for name, n in counts.items():
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise PipelineShapeError(f"{name}: got {n!r}; accepted: an integer >= 1")
 
 
 def schedule(
     dag: PipelineDag, durations: Sequence[float], switch_s: Sequence[float] | None = None
 ) -> tuple[tuple[float, ...], float]:
     """Each instruction's earliest start and the makespan, given each one's duration and
-    the seconds of the clock switch after it on its stage (``switch_s``; a stage's last:
-    into the next iteration, ending the stage later)."""
+    the seconds of the clock switch after it on its rank (``switch_s``; a rank's last:
+    into the next iteration, ending the rank later)."""
     n = len(dag.instructions)
     switch_s = [0.0] * n if switch_s is None else switch_s
     if len(durations) != n or len(switch_s) != n:
@@ -174,16 +362,14 @@ def schedule(
             f"durations and switch_s: got {len(durations)} and {len(switch_s)}; accepted: one "
             f"per instruction ({n})"
         )
-    follows = {b: a for order in dag.stage_orders for a, b in itertools.pairwise(order)}
-    preds: dict[int, list[int]] = {i: [] for i in range(n)}
-    for a, b in dag.edges:
-        preds[b].append(a)
+    follows = {b: a for order in dag.orders for a, b in itertools.pairwise(order)}
+    preds = _predecessors(dag)
     start = [0.0] * n
     for i in graphlib.TopologicalSorter(preds).static_order():
         start[i] = max((start[a] + durations[a] + (switch_s[a] if follows.get(i) == a else 0.0)
                         for a in preds[i]), default=0.0)
     makespan = max(start[order[-1]] + durations[order[-1]] + switch_s[order[-1]]
-                   for order in dag.stage_orders)
+                   for order in dag.orders)
     return tuple(start), makespan
 
 
@@ -195,7 +381,7 @@ def _free_switch(a: Hashable, b: Hashable) -> tuple[float, float]:
 class EnergyModel:
     """How an iteration's energy is priced (the module docstring's model): the static
     power of all the replica's GPUs, summed; the power above static a GPU draws blocked on
-    another stage; a clock switch's (seconds, effective joules), which must depend on its
+    another rank; a clock switch's (seconds, effective joules), which must depend on its
     choices only through ``switch_key`` (their clock)."""
 
     static_power_w: float
@@ -241,6 +427,98 @@ def fastest(
 ) -> PipelinePoint:
     """The plan of the shortest iteration and, of those, the least energy."""
     return _Solver(dag, options, model, max_solve_s).fastest()
+
+
+def fastest_within(
+    dag: PipelineDag,
+    options: Options,
+    *,
+    energy_limit_j: float,
+    model: EnergyModel,
+    max_solve_s: float | None = None,
+    best_found: bool = False,
+) -> PipelinePoint:
+    """The plan of the shortest iteration whose energy (``PipelinePoint.energy_j``, static
+    power's included) is at most ``energy_limit_j`` and, of those, the least energy; a
+    ``PipelineEnergyLimitError`` stating the range plans reach where none is frugal enough.
+    ``max_solve_s`` and ``best_found``: as for ``least_energy``."""
+    if math.isnan(energy_limit_j):
+        raise PipelineInputError("energy_limit_j: got nan; accepted: joules")
+    solver = _Solver(dag, options, model, max_solve_s, best_found)
+    return solver.fastest(energy_limit_j, f"{energy_limit_j:.4g} J")
+
+
+def least_tradeoff(
+    dag: PipelineDag,
+    options: Options,
+    *,
+    eta: float,
+    max_power_w: float,
+    model: EnergyModel,
+    max_solve_s: float | None = None,
+    best_found: bool = False,
+) -> PipelinePoint:
+    """The plan of least eta x E + (1 - eta) x ``max_power_w`` x T: Zeus's trade-off, a
+    second priced at P_max (the replica's power limit); eta 1 weighs energy only, eta 0 time
+    only (the fastest plan, and of those the least energy). ``max_solve_s`` and
+    ``best_found``: as for ``least_energy``."""
+    _check_tradeoff(eta, max_power_w)
+    return _Solver(dag, options, model, max_solve_s, best_found).least_tradeoff(eta, max_power_w)
+
+
+def solve_budget(
+    dag: PipelineDag,
+    options: Options,
+    budget: Budget,
+    *,
+    model: EnergyModel,
+    max_power_w: float,
+    baseline_point: PipelinePoint,
+    max_solve_s: float | None = None,
+    best_found: bool = False,
+) -> PipelinePoint:
+    """The plan ``budget`` asks for, solved exactly: the fastest; the least energy within a
+    time; the fastest within an energy; the least trade-off (``least_tradeoff``, P_max
+    ``max_power_w``). A time or energy budget is absolute (seconds or joules an iteration of
+    the replica, as ``PipelinePoint`` counts them) or a fraction of ``baseline_point``'s; one
+    no plan meets raises ``PipelineTimeLimitError`` or ``PipelineEnergyLimitError`` (both
+    ``BudgetError``s), stating the range plans reach. ``max_solve_s`` and ``best_found``: as
+    for ``least_energy``."""
+    if budget.kind not in ("fastest", "time", "energy", "tradeoff"):
+        raise BudgetError(
+            f"budget.kind: got {budget.kind!r}; accepted: 'fastest', 'time', 'energy', "
+            "'tradeoff'"
+        )
+    if budget.kind == "tradeoff":
+        _check_tradeoff(budget.value, max_power_w)
+    elif budget.kind != "fastest" and (budget.value is None) == (budget.fraction is None):
+        raise BudgetError(
+            f"budget: got {budget!r}; accepted: a {budget.kind} budget with a value (absolute) "
+            "or a fraction (of the baseline's), one of them"
+        )
+    solver = _Solver(dag, options, model, max_solve_s, best_found)
+    if budget.kind == "fastest":
+        return solver.fastest()
+    if budget.kind == "tradeoff":
+        return solver.least_tradeoff(budget.value, max_power_w)
+    limit = limit_of(budget, baseline_point)
+    what = f"the {budget.kind} budget {asked(budget, baseline_point, limit)}"
+    if budget.kind == "time":
+        return solver.least_energy(limit, what)
+    return solver.fastest(limit, what)
+
+
+def _check_tradeoff(eta: Any, max_power_w: Any) -> None:
+    if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not 0 <= eta <= 1:
+        raise PipelineInputError(
+            f"eta: got {eta!r}; accepted: a number in [0, 1] (1: energy only, 0: time only)"
+        )
+    if (isinstance(max_power_w, bool) or not isinstance(max_power_w, (int, float))
+            or not 0 < max_power_w < math.inf):
+        raise PipelineInputError(
+            f"max_power_w: got {max_power_w!r}; accepted: watts > 0, finite (P_max, the "
+            "replica's power limit, prices the trade-off's seconds)"
+        )
 
 
 def pipeline_frontier(
@@ -317,7 +595,7 @@ def _evaluate(
     """What the iteration costs with ``picks`` (one option per instruction), exactly."""
     switch_s = [0.0] * len(picks)
     switch_j = 0.0
-    for order in dag.stage_orders:
+    for order in dag.orders:
         for i, j in zip(order, order[1:] + order[:1]):
             a, b = picks[i].choice, picks[j].choice
             if model.switch_key(a) != model.switch_key(b):
@@ -325,7 +603,7 @@ def _evaluate(
                 switch_j += joules
     durations = [p.time_s for p in picks]
     _, makespan = schedule(dag, durations, switch_s)
-    blocked = dag.stages * makespan - sum(durations) - sum(switch_s)
+    blocked = dag.ranks * makespan - sum(durations) - sum(switch_s)
     effective = (sum(p.effective_energy_j for p in picks) + switch_j
                  + model.blocking_power_w * blocked)
     return PipelinePoint(makespan, effective + model.static_power_w * makespan, effective,
@@ -359,7 +637,7 @@ class _Program:
 
 class _Solver:
     """The mixed-integer program of one DAG, options and energy model (the module
-    docstring's), built once and solved for any time limit."""
+    docstring's), built once and solved for any budget."""
 
     def __init__(self, dag: PipelineDag, options: Options, model: EnergyModel,
                  max_solve_s: float | None, best_found: bool = False) -> None:
@@ -370,7 +648,7 @@ class _Solver:
         self.options = [pruned[i.stage, i.kind] for i in dag.instructions]
         times = [o.time_s for opts in self.options for o in opts]
         self.time_unit = (sum(times) / len(times)) or 1.0
-        block = dag.stages * model.blocking_power_w
+        block = dag.ranks * model.blocking_power_w
         reference = sum(max(abs(o.effective_energy_j) + (model.static_power_w + block)
                             * o.time_s for o in opts) for opts in self.options)
         self.energy_unit = (reference or 1.0) / 1e5
@@ -384,12 +662,12 @@ class _Solver:
                                         / self.energy_unit, 1.0) for o in opts]
                         for opts in self.options]
         starts = [program.column(0.0, math.inf) for _ in self.options]
-        self.t_col = program.column((dag.stages * block + model.static_power_w) * tau
+        self.t_col = program.column((dag.ranks * block + model.static_power_w) * tau
                                     / self.energy_unit, math.inf)
         for cols in self.columns:
             program.row([(c, 1.0) for c in cols], 1.0, 1.0)
         follows = {}
-        for order in dag.stage_orders:
+        for order in dag.orders:
             for i, j in zip(order, order[1:] + order[:1]):
                 delay = self._switch(program, i, j)
                 end = (self.t_col if j == order[0] else starts[j], 1.0)
@@ -415,7 +693,7 @@ class _Solver:
         return [(c, -o.time_s / self.time_unit) for c, o in zip(self.columns[i], self.options[i])]
 
     def _switch(self, program: _Program, i: int, j: int) -> list[tuple[int, float]]:
-        """The switch from instruction ``i`` to ``j``, the next on their stage: a transport
+        """The switch from instruction ``i`` to ``j``, the next on their rank: a transport
         between their clock indicators, each (clock, clock) pair priced; minus its seconds
         as terms of a row (none where no pair of their clocks costs anything to switch)."""
         model, block = self.model, self.model.blocking_power_w
@@ -461,9 +739,15 @@ class _Solver:
             clocks.setdefault(self.model.switch_key(o.choice), o.choice)
         return clocks
 
-    def _solve(self, objective: np.ndarray, limit_s: float | None) -> PipelinePoint | None:
-        """The optimum of ``objective`` within ``limit_s``, costed exactly; None where no
-        plan is fast enough."""
+    def _solve(
+        self, objective: np.ndarray, limit_s: float | None, limit_j: float | None = None
+    ) -> PipelinePoint | None:
+        """The optimum of ``objective`` within ``limit_s`` and ``limit_j`` (the energy: one
+        row more), costed exactly; None where no plan meets them."""
+        constraints = [self.constraints]
+        if limit_j is not None:
+            constraints.append(LinearConstraint(self.energy[np.newaxis], -math.inf,
+                                                limit_j / self.energy_unit))
         upper = self.upper.copy()
         upper[self.t_col] = math.inf if limit_s is None else limit_s / self.time_unit
         options: dict[str, float] = {"mip_rel_gap": 0.0}
@@ -471,7 +755,7 @@ class _Solver:
             options["time_limit"] = self.max_solve_s
         result = milp(objective, integrality=self.integrality,
                       bounds=Bounds(np.zeros(len(upper)), upper),
-                      constraints=self.constraints, options=options)
+                      constraints=constraints, options=options)
         if result.status == 2:
             return None
         gap = result.get("mip_gap")
@@ -482,7 +766,8 @@ class _Solver:
                                        gap=float(gap if gap is not None else math.inf))
         if result.status != 0:
             raise PipelineSolveError(
-                f"HiGHS did not prove a plan of the {self.dag.stages}-stage pipeline optimal: "
+                f"HiGHS did not prove a plan of the {self.dag.stages}-stage pipeline on "
+                f"{self.dag.ranks} ranks optimal: "
                 f"{result.message}" + (f" (gap {gap:.3g})" if gap is not None else "")
                 + "; allow it more time (max_solve_s) or give fewer options"
             )
@@ -490,22 +775,41 @@ class _Solver:
                  for opts, cols in zip(self.options, self.columns)]
         return _evaluate(self.dag, self.model, picks)
 
-    def fastest(self) -> PipelinePoint:
-        quick = self._solve(self.makespan, None)
-        frugal = self._solve(self.energy, quick.time_s) or quick
+    def fastest(self, limit_j: float | None = None, what: str = "") -> PipelinePoint:
+        """The fastest plan within ``limit_j`` (``what``: the limit, in words)."""
+        quick = self._solve(self.makespan, None, limit_j)
+        if quick is None:
+            fast, frugal = self.fastest(), self._solve(self.energy, None)
+            raise PipelineEnergyLimitError(
+                f"no plan of the pipeline takes at most {what} an iteration: the least-energy "
+                f"plan takes {frugal.energy_j:.4g} J ({frugal.time_s:.4g} s), the fastest "
+                f"{fast.energy_j:.4g} J ({fast.time_s:.4g} s)"
+            )
+        frugal = self._solve(self.energy, quick.time_s, limit_j) or quick
         # of the two, the faster (rounding may let the second be slower by a hair)
         return min((quick, frugal), key=lambda p: (p.time_s, p.energy_j))
 
-    def least_energy(self, limit_s: float | None) -> PipelinePoint:
+    def least_energy(self, limit_s: float | None, what: str = "") -> PipelinePoint:
+        """The least-energy plan within ``limit_s`` (``what``: the limit, in words; by
+        default its seconds)."""
         found = self._solve(self.energy, limit_s)
         if found is None:
             quick, frugal = self.fastest(), self._solve(self.energy, None)
             raise PipelineTimeLimitError(
-                f"no plan of the pipeline finishes an iteration within {limit_s:.4g} s: the "
-                f"fastest takes {quick.time_s:.4g} s ({quick.energy_j:.4g} J), the least-energy "
-                f"plan {frugal.time_s:.4g} s ({frugal.energy_j:.4g} J)"
+                f"no plan of the pipeline finishes an iteration within "
+                f"{what or f'{limit_s:.4g} s'}: the fastest takes {quick.time_s:.4g} s "
+                f"({quick.energy_j:.4g} J), the least-energy plan {frugal.time_s:.4g} s "
+                f"({frugal.energy_j:.4g} J)"
             )
         return found
+
+    def least_tradeoff(self, eta: float, max_power_w: float) -> PipelinePoint:
+        """The plan of least eta x E + (1 - eta) x ``max_power_w`` x T."""
+        if eta == 0:  # time only: of the fastest plans, the least energy
+            return self.fastest()
+        objective = eta * self.energy
+        objective[self.t_col] += (1 - eta) * max_power_w * self.time_unit / self.energy_unit
+        return self._solve(objective, None)
 
 
 def _prune(points: Sequence[FrontierPoint], model: EnergyModel) -> tuple[FrontierPoint, ...]:
