@@ -23,9 +23,9 @@ from kareus.planner.pipeline import (
     PipelineDag,
     PipelinePoint,
     baseline,
-    least_energy,
     pareto,
     pipeline_frontier,
+    solve_budget,
 )
 
 FRONTIER_POINTS = 10  # the method's artifact compares 10-point frontiers
@@ -92,12 +92,12 @@ def plan_iteration(
             frontiers[method] = pareto([*found, frontiers["baseline"][0]])
     base = frontiers["baseline"][0]
     kareus = full.get("kareus", frontiers["kareus"])
-    if budget.kind == "time" and dag.stages > 1:
-        limit = budget.value if budget.value is not None else budget.fraction * base.time_s
-        if limit >= kareus[0].time_s:  # the exact plan at the limit, not only the points'
-            exact = least_energy(dag, options["kareus"], time_limit_s=limit, model=model,
-                                 max_solve_s=max_solve_s, best_found=best_found)
-            kareus = sorted({*kareus, exact}, key=lambda p: (p.time_s, p.energy_j))
+    if budget.kind != "fastest" and dag.stages > 1:  # the fastest is the frontier's first
+        # The exact plan the budget asks for, not only the frontier's points' best.
+        exact = solve_budget(dag, options["kareus"], budget, model=model,
+                             max_power_w=max_power_w, baseline_point=base,
+                             max_solve_s=max_solve_s, best_found=best_found)
+        kareus = sorted({*kareus, exact}, key=lambda p: (p.time_s, p.energy_j))
     return IterationPlan(frontiers, choose(kareus, base, budget, max_power_w))
 
 

@@ -37,6 +37,7 @@ from kareus.planner.pipeline import (
     PipelineDag,
     PipelinePoint,
     baseline,
+    from_orders,
     gpipe,
     one_f_one_b,
     schedule,
@@ -141,8 +142,6 @@ def iteration_dag(shape: PipelineShape) -> PipelineDag:
     """The DAG of the pipeline's iteration: its schedule's rule, or the orders the
     schedule computed (interleaved 1F1B)."""
     if shape.orders is not None:
-        from kareus.planner.pipeline import from_orders
-
         return from_orders(shape.stages, shape.microbatches, shape.orders)
     return _BUILDERS[shape.schedule](shape.stages, shape.microbatches)
 

@@ -162,7 +162,7 @@ def _order(schedule, stage, stages=2):
 
     dag = {"1f1b": one_f_one_b, "gpipe": gpipe}[schedule](stages, MICROBATCHES)
     return [(dag.instructions[i].kind, dag.instructions[i].microbatch)
-            for i in dag.stage_orders[stage]]
+            for i in dag.orders[stage]]
 
 
 def _slack(plan, durations):
