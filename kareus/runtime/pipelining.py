@@ -103,19 +103,24 @@ def detect(frame: FrameType | None = None) -> Detection:
         return Detection(None, index, (
             f"schedule {type(schedule).__name__} is not one kareus plans (it plans "
             f"{', '.join(SCHEDULES)}); each stage is planned alone"), schedule)
-    stages = _stages(schedule)
-    orders = _orders(schedule) if kind == "interleaved_1f1b" else None
-    if isinstance(orders, str):
-        return Detection(None, index, f"schedule {type(schedule).__name__}: {orders}; each "
-                         "stage is planned alone", schedule)
-    shape = PipelineShape(
-        schedule=kind,
-        stages=int(stages[0].num_stages),
-        ranks=int(stages[0].group_size),
-        microbatches=int(schedule._n_microbatches),
-        local_stages=tuple(sorted(int(s.stage_index) for s in stages)),
-        orders=orders,
-    )
+    try:
+        stages = _stages(schedule)
+        orders = _orders(schedule) if kind == "interleaved_1f1b" else None
+        if isinstance(orders, str):
+            return Detection(None, index, f"schedule {type(schedule).__name__}: {orders}; "
+                             "each stage is planned alone", schedule)
+        shape = PipelineShape(
+            schedule=kind,
+            stages=int(stages[0].num_stages),
+            ranks=int(stages[0].group_size),
+            microbatches=int(schedule._n_microbatches),
+            local_stages=tuple(sorted(int(s.stage_index) for s in stages)),
+            orders=orders,
+        )
+    except (AttributeError, TypeError, ValueError, KeyError) as exc:  # another torch's layout
+        return Detection(None, index, (
+            f"could not read schedule {type(schedule).__name__} ({type(exc).__name__}: "
+            f"{exc}); each stage is planned alone"), schedule)
     return Detection(shape, index, None, schedule)
 
 

@@ -125,3 +125,12 @@ def test_the_tracker_knows_each_instruction_and_tells_listeners_between_iteratio
     assert heard == [("step", 0), ("ended", shape), ("step", 1)]
     tracker.called("outside", "x")  # outside any instruction: not counted
     assert all(label != "outside" for c in tracker.composition([0]).values() for label, *_ in c)
+
+
+def test_a_schedule_kareus_cannot_read_is_planned_stage_by_stage_with_the_reason():
+    stage = _stage(0)
+    schedule = _schedule(Schedule1F1B, stage)
+    del schedule._n_microbatches  # as another torch might lay a schedule out
+    found = _step(schedule, stage)
+    assert found.shape is None and found.stage == 0
+    assert "could not read schedule Schedule1F1B (AttributeError" in found.reason
