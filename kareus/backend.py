@@ -124,7 +124,10 @@ class KareusBackend:
         if self._given_plan is not None:
             _ = self.planner  # the given plan is the process's from now on
         region = self.runtime.backends.next_region()
-        self._join_pipeline(region, detect())
+        options = self.options
+        self._join_pipeline(region, detect(
+            schedule=options.pipeline_schedule,
+            microbatches=None if options.microbatches == 1 else options.microbatches))
 
         def inner_compile(graph_module: torch.fx.GraphModule, inputs: Sequence[Any], **kwargs: Any):
             return self._compile(graph_module, inputs, region, kwargs)
@@ -148,12 +151,6 @@ class KareusBackend:
             log.warning("kareus: pipeline stage %d: %s", found.stage, found.reason)
             return
         shape = found.shape
-        if self.options.microbatches not in (1, shape.microbatches):
-            raise KareusOptionError(
-                f"kareus options: microbatches={self.options.microbatches!r}, but the "
-                f"pipeline's schedule runs {shape.microbatches} per iteration; leave "
-                "microbatches unset under a pipeline schedule (kareus reads it from there)"
-            )
         tracker = self.runtime.instructions
         tracker.attach(found)
         given = self._given_plan

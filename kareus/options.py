@@ -152,6 +152,16 @@ class KareusOptions:
             "a budget given per step is met by that many of them",
         },
     )
+    pipeline_schedule: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "choices": (None, "1f1b", "gpipe"),
+            "doc": "the schedule a pipeline stage runs under, where kareus cannot tell it from "
+            "the schedule object (a schedule class of your own that runs 1F1B or GPipe); "
+            "torch's Schedule1F1B, ScheduleGPipe and ScheduleInterleaved1F1B are found "
+            "without it",
+        },
+    )
     plan: str | None = dataclasses.field(
         default=None,
         metadata={

@@ -42,8 +42,9 @@ def test_custom_gpu_file_is_a_device(tmp_path):
             (
                 "unknown kareus option 'lowerin'; "
                 "accepted options: agreement_timeout_s, cache_dir, device, energy_budget, "
-                "energy_time_tradeoff, explain, lowering, microbatches, nanobatches, plan, "
-                "profile, search, search_budget, seed, time_budget, verify"
+                "energy_time_tradeoff, explain, lowering, microbatches, nanobatches, "
+                "pipeline_schedule, plan, profile, search, search_budget, seed, time_budget, "
+                "verify"
             ),
         ),
         (

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
+from kareus.errors import KareusError
+
 log = logging.getLogger("kareus")
 
 SCHEDULES = {
@@ -38,6 +40,10 @@ SCHEDULES = {
     "ScheduleInterleaved1F1B": "interleaved_1f1b",
 }
 """The torch.distributed.pipelining schedules kareus plans, by class name."""
+
+class PipelineHintError(KareusError, ValueError):
+    """What the options say of the pipeline contradicts what its schedule says."""
+
 
 Instruction = tuple[int, int, str]
 """(stage, microbatch, "forward" | "backward")."""
@@ -78,50 +84,85 @@ class Detection:
     schedule: Any = None
 
 
-def detect(frame: FrameType | None = None) -> Detection:
+def detect(frame: FrameType | None = None, *, schedule: str | None = None,
+           microbatches: int | None = None) -> Detection:
     """The pipeline whose stage is compiling now, from the frames of the calling thread:
-    the innermost ``self`` that is a pipelining stage, and a schedule above it."""
+    the innermost ``self`` that is a pipelining stage, and a schedule above it.
+
+    ``schedule`` ("1f1b" | "gpipe") and ``microbatches``: what the user says of a schedule
+    kareus cannot read (a class of their own; another torch's layout), never against what
+    it reads (a contradiction is a ``PipelineHintError``)."""
     stage_cls, schedule_cls = _classes()
     if stage_cls is None:
         return Detection(None, None)
-    stage = schedule = None
+    stage = found = None
     f = frame or sys._getframe(1)
-    while f is not None and schedule is None:
+    while f is not None and found is None:
         me = f.f_locals.get("self")
         if stage is None and isinstance(me, stage_cls):
             stage = me
         elif stage is not None and isinstance(me, schedule_cls):
-            schedule = me
+            found = me
         f = f.f_back
     if stage is None:
         return Detection(None, None)
     index = int(stage.stage_index)
-    if schedule is None:
-        return Detection(None, index, "a pipeline stage runs outside any schedule's step")
-    kind = SCHEDULES.get(type(schedule).__name__)
+    if found is None:
+        return Detection(None, index, (
+            "a pipeline stage runs outside any schedule's step, so kareus has no point "
+            "between iterations to plan the pipeline at without holding back a peer's "
+            "activations; each stage is planned alone"))
+    name = type(found).__name__
+    kind = SCHEDULES.get(name)
+    if kind is not None and schedule not in (None, kind):
+        raise PipelineHintError(
+            f"kareus options: pipeline_schedule={schedule!r}, but the stage runs under "
+            f"{name} ({kind}); leave pipeline_schedule unset")
+    kind = kind or schedule
     if kind is None:
         return Detection(None, index, (
-            f"schedule {type(schedule).__name__} is not one kareus plans (it plans "
-            f"{', '.join(SCHEDULES)}); each stage is planned alone"), schedule)
+            f"schedule {name} is not one kareus plans (it plans {', '.join(SCHEDULES)}; "
+            "give pipeline_schedule where one of yours runs 1F1B or GPipe); each stage is "
+            "planned alone"), found)
+    _check_microbatches(found, microbatches)
     try:
-        stages = _stages(schedule)
-        orders = _orders(schedule) if kind == "interleaved_1f1b" else None
+        stages = _stages(found)
+        orders = _orders(found) if kind == "interleaved_1f1b" else None
         if isinstance(orders, str):
-            return Detection(None, index, f"schedule {type(schedule).__name__}: {orders}; "
-                             "each stage is planned alone", schedule)
+            return Detection(None, index, f"schedule {name}: {orders}; each stage is planned "
+                             "alone", found)
         shape = PipelineShape(
             schedule=kind,
             stages=int(stages[0].num_stages),
             ranks=int(stages[0].group_size),
-            microbatches=int(schedule._n_microbatches),
+            microbatches=_microbatches(found, microbatches),
             local_stages=tuple(sorted(int(s.stage_index) for s in stages)),
             orders=orders,
         )
     except (AttributeError, TypeError, ValueError, KeyError) as exc:  # another torch's layout
         return Detection(None, index, (
-            f"could not read schedule {type(schedule).__name__} ({type(exc).__name__}: "
-            f"{exc}); each stage is planned alone"), schedule)
-    return Detection(shape, index, None, schedule)
+            f"could not read schedule {name} ({type(exc).__name__}: {exc}); each stage is "
+            "planned alone"), found)
+    return Detection(shape, index, None, found)
+
+
+def _check_microbatches(schedule: Any, given: int | None) -> None:
+    """Refuse ``given`` microbatches where they contradict the schedule's own."""
+    read = getattr(schedule, "_n_microbatches", None)
+    if read is not None and given is not None and int(read) != given:
+        raise PipelineHintError(
+            f"kareus options: microbatches={given!r}, but the pipeline's schedule runs "
+            f"{int(read)} per iteration; leave microbatches unset under a pipeline schedule "
+            "(kareus reads it from there)")
+
+
+def _microbatches(schedule: Any, given: int | None) -> int:
+    """The schedule's microbatches, else those the user gave (an AttributeError if none)."""
+    read = getattr(schedule, "_n_microbatches", None)
+    if read is None and given is None:
+        raise AttributeError(f"{type(schedule).__name__} has no _n_microbatches; give "
+                             "microbatches")
+    return int(read if read is not None else given)
 
 
 def _classes() -> tuple[type | None, type | None]:

@@ -17,7 +17,13 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.distributed.pipelining.stage import PipelineStage
 
-from kareus.runtime.pipelining import Detection, InstructionTracker, PipelineShape, detect
+from kareus.runtime.pipelining import (
+    Detection,
+    InstructionTracker,
+    PipelineHintError,
+    PipelineShape,
+    detect,
+)
 
 
 def _stage(index, stages=2, ranks=2):
@@ -134,3 +140,33 @@ def test_a_schedule_kareus_cannot_read_is_planned_stage_by_stage_with_the_reason
     found = _step(schedule, stage)
     assert found.shape is None and found.stage == 0
     assert "could not read schedule Schedule1F1B (AttributeError" in found.reason
+
+
+def test_a_schedule_of_one_s_own_is_planned_as_the_options_say_and_never_against_torch():
+    class MySchedule(Schedule1F1B):
+        """A schedule of the user's own (its class name is none kareus knows)."""
+
+    stage = _stage(1)
+    mine = _schedule(MySchedule, stage)
+    refused = _step(mine, stage)
+    assert refused.shape is None and "give pipeline_schedule" in refused.reason
+
+    assert _step_with(mine, stage, "gpipe", None).shape == PipelineShape("gpipe", 2, 2, 4, (1,))
+    del mine._n_microbatches
+    assert _step_with(mine, stage, "1f1b", 8).shape == PipelineShape("1f1b", 2, 2, 8, (1,))
+    assert "give microbatches" in _step_with(mine, stage, "1f1b", None).reason
+    torch_own = _schedule(Schedule1F1B, stage)
+    with pytest.raises(PipelineHintError, match="pipeline_schedule='gpipe', but the stage runs "
+                       r"under Schedule1F1B \(1f1b\)"):
+        _step_with(torch_own, stage, "gpipe", None)
+    with pytest.raises(PipelineHintError, match="microbatches=8, but the pipeline's schedule "
+                       "runs 4"):
+        _step_with(torch_own, stage, None, 8)
+
+
+def _compile_in_with(self, schedule, microbatches):
+    return detect(schedule=schedule, microbatches=microbatches)
+
+
+def _step_with(self, stage, schedule, microbatches):
+    return _compile_in_with(stage, schedule, microbatches)

@@ -83,6 +83,8 @@ def _worker(rank, port, out_dir, world, tp, schedule, options, case):
             time.sleep(2.0)
         kind = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe,
                 "interleaved_1f1b": ScheduleInterleaved1F1B}[schedule]
+        if case.get("own_schedule"):
+            kind = type("MySchedule", (kind,), {})  # a class kareus does not know
         group = mesh.get_group("pp")
 
         def pipeline(modules):
@@ -146,6 +148,7 @@ def _worker(rank, port, out_dir, world, tp, schedule, options, case):
 
 
 def _options(tmp_path, **more):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     gpu = tmp_path / "gpu.json"
     gpu.write_text(json.dumps(QUICK_SWITCH))
     return {"lowering": "eager", "device": str(gpu), "cache_dir": str(tmp_path / "cache"),
@@ -223,6 +226,16 @@ def test_a_slow_stage_and_one_compiling_an_extra_graph_still_plan_one_pipeline(t
     forward = next(i for i in plan["instructions"] if i["stage"] == 1 and i["kind"] == "forward")
     assert len(forward["graphs"]) == 2  # the graph break's two regions, one instruction
     assert len(set(results[1]["labels"])) == 4
+
+
+def test_a_schedule_of_one_s_own_is_planned_as_one_where_the_options_name_it(tmp_path):
+    alone = _run(tmp_path / "a", case={"steps": 2, "own_schedule": True})
+    assert all(r["plan"] is None or json.loads(r["plan"])["pipeline"] is None
+               for r in alone)  # refused: each stage is planned alone
+    named = _run(tmp_path / "b", case={"steps": 2, "own_schedule": True},
+                 pipeline_schedule="1f1b")
+    assert named[0]["plan"] is not None and named[0]["plan"] == named[1]["plan"]
+    assert json.loads(named[0]["plan"])["pipeline"]["schedule"] == "1f1b"
 
 
 def test_a_second_run_reuses_the_stored_plan(tmp_path):
