@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -306,6 +307,7 @@ class PipelinePlanning:
             return  # a graph still compiles lazily (a later iteration completes them)
         self.tried = True
         plan, why, stored = None, None, self.step.stored
+        deadline = time.monotonic() + self.timeout_s  # both waits together: one timeout
         try:
             if runs_stored(stored, shape, compositions):
                 plan = stored
@@ -313,7 +315,7 @@ class PipelinePlanning:
                 plan = self._plan(compositions)
         except Exception as exc:  # noqa: BLE001 - the pipeline still trains, unplanned
             why = f"{type(exc).__name__}: {exc}"
-        if agree_on(self.key, plan, why, self.timeout_s):
+        if agree_on(self.key, plan, why, max(0.0, deadline - time.monotonic())):
             assert plan is not None
             self.step.adopt(plan, store=plan is not stored)
             log.info("kareus pipeline plan: %.4g s, %.4g J per iteration (baseline %.4g s, "
