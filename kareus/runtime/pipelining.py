@@ -125,6 +125,11 @@ def detect(frame: FrameType | None = None, *, schedule: str | None = None,
             "give pipeline_schedule where one of yours runs 1F1B or GPipe); each stage is "
             "planned alone"), found)
     _check_microbatches(found, microbatches)
+    count = getattr(found, "_n_microbatches", None) or microbatches
+    if count is None:
+        return Detection(None, index, (
+            f"schedule {name} does not say how many microbatches an iteration runs; give "
+            "microbatches; each stage is planned alone"), found)
     try:
         stages = _stages(found)
         orders = _orders(found) if kind == "interleaved_1f1b" else None
@@ -135,7 +140,7 @@ def detect(frame: FrameType | None = None, *, schedule: str | None = None,
             schedule=kind,
             stages=int(stages[0].num_stages),
             ranks=int(stages[0].group_size),
-            microbatches=_microbatches(found, microbatches),
+            microbatches=int(count),
             local_stages=tuple(sorted(int(s.stage_index) for s in stages)),
             orders=orders,
         )
@@ -154,15 +159,6 @@ def _check_microbatches(schedule: Any, given: int | None) -> None:
             f"kareus options: microbatches={given!r}, but the pipeline's schedule runs "
             f"{int(read)} per iteration; leave microbatches unset under a pipeline schedule "
             "(kareus reads it from there)")
-
-
-def _microbatches(schedule: Any, given: int | None) -> int:
-    """The schedule's microbatches, else those the user gave (an AttributeError if none)."""
-    read = getattr(schedule, "_n_microbatches", None)
-    if read is None and given is None:
-        raise AttributeError(f"{type(schedule).__name__} has no _n_microbatches; give "
-                             "microbatches")
-    return int(read if read is not None else given)
 
 
 def _classes() -> tuple[type | None, type | None]:

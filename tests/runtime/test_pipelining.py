@@ -136,10 +136,12 @@ def test_the_tracker_knows_each_instruction_and_tells_listeners_between_iteratio
 def test_a_schedule_kareus_cannot_read_is_planned_stage_by_stage_with_the_reason():
     stage = _stage(0)
     schedule = _schedule(Schedule1F1B, stage)
-    del schedule._n_microbatches  # as another torch might lay a schedule out
+    del stage.group_size  # as another torch might lay a stage out
     found = _step(schedule, stage)
     assert found.shape is None and found.stage == 0
     assert "could not read schedule Schedule1F1B (AttributeError" in found.reason
+    del schedule._n_microbatches
+    assert "does not say how many microbatches" in _step(schedule, stage).reason
 
 
 def test_a_schedule_of_one_s_own_is_planned_as_the_options_say_and_never_against_torch():
@@ -155,6 +157,7 @@ def test_a_schedule_of_one_s_own_is_planned_as_the_options_say_and_never_against
     del mine._n_microbatches
     assert _step_with(mine, stage, "1f1b", 8).shape == PipelineShape("1f1b", 2, 2, 8, (1,))
     assert "give microbatches" in _step_with(mine, stage, "1f1b", None).reason
+    assert _step_with(mine, stage, "1f1b", 8).shape.microbatches == 8
     torch_own = _schedule(Schedule1F1B, stage)
     with pytest.raises(PipelineHintError, match="pipeline_schedule='gpipe', but the stage runs "
                        r"under Schedule1F1B \(1f1b\)"):
