@@ -15,9 +15,14 @@ to Inductor, unrewritten, the two graphs summed): time, average power, energy, t
 E/E_max, and the energy-optimal clock with its saving and slowdown against the default
 (maximum) clock.
 
-Everything is traced over fake tensors in an 8-rank fake process group: no GPU is needed.
-Writes ``fidelity.json`` and one ``fidelity_<preset>.png`` per preset (time/t_max, power and
-E/E_max against the clock). Exits 0 whatever the verdicts: it is a report.
+(c) Where ``benchmarks/gpu_plan_check.py`` has recorded an H200 (``--h200``, by default
+benchmarks/results/h200_default.json; nothing is said where there is no such file): its
+graphs and partition workloads as measured through NVML at default clocks, beside the
+simulated GPU's estimates of the same graphs, with the geometric mean of the ratios.
+
+Everything else is traced over fake tensors in an 8-rank fake process group: no GPU is
+needed. Writes ``fidelity.json`` and one ``fidelity_<preset>.png`` per preset (time/t_max,
+power and E/E_max against the clock). Exits 0 whatever the verdicts: it is a report.
 
     python benchmarks/fidelity.py --out-dir benchmarks/results [--preset sim:h200 ...]
 """
@@ -37,6 +42,7 @@ import matplotlib
 import torch
 import torch.fx
 from calibration import POINTS, DataPoint
+from gpu_measure import H200_RECORD
 from probes import (
     attention,
     copy,
@@ -245,6 +251,67 @@ def plot(preset: str, report: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+# --- (c) the H200 at default clocks ----------------------------------------------------------
+
+
+def h200_measured(path: Path) -> dict[str, Any] | None:
+    """The workloads ``gpu_plan_check.py`` measured, from its record at ``path``, with the
+    model's estimates and the geometric means of the predicted/measured ratios; None where
+    there is no record."""
+    if not path.is_file():
+        return None
+    record = json.loads(path.read_text())
+    keys = ("name", "measured_time_s", "predicted_time_s", "time_ratio", "measured_power_w",
+            "predicted_power_w", "measured_energy_j", "predicted_energy_j", "energy_ratio")
+    rows = [{k: r[k] for k in keys} for r in record["workloads"] if r["time_ratio"] is not None]
+    return {
+        "path": str(path),
+        "gpu": record.get("gpu"),
+        "mode": record["mode"],
+        "preset": record["preset"],
+        "model_version": record["model_version"],
+        "checks_passed": record["ok"],
+        "workloads": rows,
+        "time_ratio_geomean": _geomean([r["time_ratio"] for r in rows]),
+        "energy_ratio_geomean": _geomean([r["energy_ratio"] for r in rows]),
+        "skipped": record["skipped"],
+    }
+
+
+def _geomean(values: list[float]) -> float | None:
+    return math.exp(sum(map(math.log, values)) / len(values)) if values else None
+
+
+def h200_table(measured: dict[str, Any]) -> Table:
+    table = Table(
+        title=f"{measured['gpu'] or 'GPU'} at default clocks (NVML) against "
+        f"{measured['preset']} ({measured['path']}; checks "
+        f"{'passed' if measured['checks_passed'] else 'FAILED'})",
+        title_justify="left",
+    )
+    for column in ("workload", "ms", "model ms", "t model/meas", "W", "model W",
+                   "E model/meas"):
+        table.add_column(column, justify="left" if column == "workload" else "right")
+    for r in measured["workloads"]:
+        table.add_row(
+            r["name"], f"{1e3 * r['measured_time_s']:.3f}", f"{1e3 * r['predicted_time_s']:.3f}",
+            f"{r['time_ratio']:.2f}", f"{r['measured_power_w']:.0f}",
+            f"{r['predicted_power_w']:.0f}", f"{r['energy_ratio']:.2f}",
+        )
+    return table
+
+
+def print_h200(console: Console, measured: dict[str, Any]) -> None:
+    if not measured["workloads"]:
+        skipped = "; ".join(s["what"] for s in measured["skipped"]) or "nothing"
+        console.print(f"{measured['path']}: no measurement ({measured['mode']} mode; "
+                      f"skipped: {skipped})")
+        return
+    console.print(h200_table(measured))
+    console.print(f"model/measured, geometric mean: time x{measured['time_ratio_geomean']:.2f}, "
+                  f"energy x{measured['energy_ratio_geomean']:.2f}")
+
+
 # --- main -----------------------------------------------------------------------------------
 
 
@@ -253,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", action="append", choices=preset_names(),
                         help="a preset to report (repeatable; default: all)")
     parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--h200", type=Path, default=H200_RECORD,
+                        help="gpu_plan_check.py's record of an H200 (ignored where absent)")
     args = parser.parse_args(argv)
     presets = args.preset or list(preset_names())
     start = time.perf_counter()
@@ -286,6 +355,9 @@ def main(argv: list[str] | None = None) -> int:
         spec = SimulatedGPU(preset).spec
         console.print(sweep_table(preset, report, spec.search_step_mhz))
         plot(preset, report, args.out_dir / f"fidelity_{preset.removeprefix('sim:')}.png")
+    measured = h200_measured(args.h200)
+    if measured is not None:
+        print_h200(console, measured)
 
     elapsed = time.perf_counter() - start
     record = {
@@ -293,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         "counts": {f"{role}/{verdict}": n for (role, verdict), n in sorted(counts.items())},
         "points": rows,
         "presets": reports,
+        "h200_default": measured,
         "seconds": {"points": points_s, "total": elapsed},
     }
     out = args.out_dir / "fidelity.json"

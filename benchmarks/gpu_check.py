@@ -1,19 +1,19 @@
 """GPU check for the simulated presets: measure one kernel of each class, compare with the model.
 
-On a CUDA GPU, at its default clocks (the dry-run controller: no NVML setter is ever
-called), measures with NVML's energy counter one case of every kernel class the simulated
-model distinguishes (tensor-core GEMMs large, non-square and small; an fp32 matmul without
-TF32; causal flash attention forward and forward+backward; memory-bound copy, write-only,
-read-only and STREAM triad; a tiny elementwise kernel), predicts the same graphs with a
-simulated preset, and writes a JSON comparison (a calibration record to keep beside the
-preset table). Each case is one python function: traced over fake tensors on the CPU for
-the model, run eagerly on real tensors on the GPU.
+On a CUDA GPU, at its default clocks (the dry-run controller, every NVML setter refused:
+``gpu_measure``), measures with NVML's energy counter one case of every kernel class the
+simulated model distinguishes (tensor-core GEMMs large, non-square and small; an fp32
+matmul without TF32; causal flash attention forward and forward+backward; memory-bound
+copy, write-only, read-only and STREAM triad; a tiny elementwise kernel), predicts the
+same graphs with a simulated preset, and writes a JSON comparison (a calibration record to
+keep beside the preset table). Each case is one python function: traced over fake tensors
+on the CPU for the model, run eagerly on real tensors on the GPU.
 
     python benchmarks/gpu_check.py --preset sim:h200 --out benchmarks/results/gpu_check_h200.json
 
 Run time on a GPU: each case is warmed up, then measured in windows of at least
-``MIN_WINDOW_S`` (NvmlGPU repeats it to fill one, and once more if the first falls
-short), so about 3-5 s a case, under a minute and a half for the eleven.
+``gpu_measure.MIN_WINDOW_S`` (NvmlGPU repeats it to fill one, and once more if the first
+falls short), so about 3-5 s a case, under a minute and a half for the eleven.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import argparse
 import contextlib
 import functools
 import json
-import platform
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -30,14 +29,19 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from gpu_measure import (
+    comparison,
+    dry_run_gpu,
+    gpu_info,
+    header,
+    measure_warm,
+    pynvml_module,
+    setters_refused,
+)
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from kareus.devices import Measurement, SimulatedGPU, Workload
-from kareus.passes.ops import DEFAULT_CLOCK_MHZ
-
-MIN_WINDOW_S = 2.0
-WARMUP_RUNS = 3  # before measuring: cuBLAS handles and heuristics, allocator blocks
 
 
 @dataclass(frozen=True)
@@ -177,10 +181,6 @@ def traced(case: Case) -> torch.fx.GraphModule:
         return make_fx(case.fn)(*args)
 
 
-def model_version(preset: str) -> object:
-    return getattr(SimulatedGPU(preset).spec, "model_version", None)
-
-
 def predict(preset: str) -> dict[str, Measurement]:
     gpu = SimulatedGPU(preset)
     clock = gpu.search_clocks()[0]
@@ -188,36 +188,18 @@ def predict(preset: str) -> dict[str, Measurement]:
 
 
 def measure_on_gpu() -> tuple[dict[str, Measurement], dict[str, object]]:
-    from kareus.devices.nvml.gpu import NvmlGPU
-
     results = {}
-    with NvmlGPU(dry_run=True, min_window_s=MIN_WINDOW_S) as gpu:
-        info = {
-            "gpu": gpu.gpu_name,
-            "nvml_device": gpu.name,
-            "energy_method": gpu.method,
-            "idle_power_w": _idle_power_w(gpu),
-            "static_power_w_assumed": gpu.static_power_w,
-        }
+    with dry_run_gpu() as gpu:
+        info = gpu_info(gpu)
         for case in CASES:
             args = [torch.randn(s, device="cuda", dtype=case.dtype) for s in case.shapes]
             with applied(case.settings):
                 run = functools.partial(case.fn, *args)
-                for _ in range(WARMUP_RUNS):
-                    run()
-                torch.cuda.synchronize()
-                results[case.name] = gpu.measure(Workload(case.name, run=run), DEFAULT_CLOCK_MHZ)
+                results[case.name] = measure_warm(gpu, Workload(case.name, run=run))
             del args, run
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
     return results, info
-
-
-def _idle_power_w(gpu) -> float:
-    """Power with a CUDA context open and nothing running (read before any case)."""
-    torch.cuda.synchronize()
-    samples = [gpu.power_w() for _ in range(20)]
-    return sum(samples) / len(samples)
 
 
 def _rates(prefix: str, case: Case, time_s: float) -> dict[str, float]:
@@ -249,15 +231,7 @@ def compare(
         rows.append(
             {
                 "case": case.name,
-                "measured_time_s": m.time_s,
-                "predicted_time_s": p.time_s,
-                "time_ratio": p.time_s / m.time_s,
-                "measured_energy_j": m.energy_j,
-                "predicted_energy_j": p.energy_j,
-                "energy_ratio": p.energy_j / m.energy_j,
-                "measured_power_w": m.average_power_w,
-                "predicted_power_w": p.average_power_w,
-                "measurement_details": m.details,
+                **comparison(m, p),
                 **_rates("measured", case, m.time_s),
                 **_rates("predicted", case, p.time_s),
                 **describe(case),
@@ -281,16 +255,12 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_check needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
         return 2
     predicted = predict(args.preset)
-    measured, info = measure_on_gpu()
-    record = {
-        "preset": args.preset,
-        "model_version": model_version(args.preset),
-        "torch": torch.__version__,
-        "host": platform.node(),
-        "clocks": "default (dry run: no clock was set)",
-        **info,
-        "cases": compare(measured, predicted),
-    }
+    with setters_refused(pynvml_module()) as refused:
+        measured, info = measure_on_gpu()
+    if refused:
+        print(f"gpu_check: NVML setters were called: {', '.join(refused)}", file=sys.stderr)
+        return 1
+    record = {**header(args.preset), **info, "cases": compare(measured, predicted)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=2))
     for row in record["cases"]:

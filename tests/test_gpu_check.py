@@ -15,6 +15,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import gpu_check
+import gpu_measure
 
 PRESET = "sim:h200"
 CASES = {c.name: c for c in gpu_check.CASES}
@@ -125,7 +126,7 @@ def test_the_record_keeps_its_fields_and_adds_the_rates(predicted):
     settings = {r["case"]: r["settings"] for r in rows}
     assert settings["gemm_fp32_8192_no_tf32"] == {"torch.backends.cuda.matmul.allow_tf32": False}
     assert settings["gemm_bf16_8192"] == {}
-    assert gpu_check.model_version(PRESET) == getattr(
+    assert gpu_measure.model_version(PRESET) == getattr(
         gpu_check.SimulatedGPU(PRESET).spec, "model_version", None
     )
 
