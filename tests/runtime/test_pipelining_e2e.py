@@ -244,11 +244,19 @@ def test_a_schedule_of_one_s_own_is_planned_as_one_where_the_options_name_it(tmp
     assert json.loads(named[0]["plan"])["pipeline"]["schedule"] == "1f1b"
 
 
-def test_a_second_run_reuses_the_stored_plan(tmp_path):
+def test_a_second_run_reuses_the_stored_plan_and_one_for_another_pipeline_is_refused(tmp_path):
     first = _run(tmp_path, case={"steps": 2}, time_budget=1.0)
     second = _run(tmp_path, case={"steps": 2, "no_exchange": True}, time_budget=1.0)
     assert first[0]["plan"] is not None
     assert [r["plan"] for r in second] == [first[0]["plan"]] * 2
+    plan = json.loads(first[0]["plan"])
+    plan["pipeline"]["microbatches"] = 8
+    path = tmp_path / "other.json"
+    path.write_text(json.dumps(plan))
+    with pytest.raises(Exception, match=r"the plan was made for another pipeline \(1f1b, 2 "
+                       r"stages on 2 ranks, 8 microbatches\) than this one \(1f1b, 2 stages on "
+                       r"2 ranks, 4 microbatches\)"):
+        _run(tmp_path, case={"steps": 1}, plan=str(path), nanobatches=1)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
@@ -281,18 +289,6 @@ def test_pp2_by_tp2_plans_as_one_and_runs_a_plan_of_its_instructions_choices_exa
         stage = r["stage"]
         assert [(name.rsplit(" ", 1)[1], mhz) for name, mhz in r["switches"]] == [
             (f"{kind[0]}{m}", clocks[stage, m, kind]) for kind, m in _order(schedule, stage)]
-
-
-def test_a_plan_for_another_pipeline_is_refused(tmp_path):
-    (first, _) = _run(tmp_path, case={"steps": 2})
-    plan = json.loads(first["plan"])
-    plan["pipeline"]["microbatches"] = 8
-    path = tmp_path / "other.json"
-    path.write_text(json.dumps(plan))
-    with pytest.raises(Exception, match=r"the plan was made for another pipeline \(1f1b, 2 "
-                       r"stages on 2 ranks, 8 microbatches\) than this one \(1f1b, 2 stages on "
-                       r"2 ranks, 4 microbatches\)"):
-        _run(tmp_path, case={"steps": 1}, plan=str(path), nanobatches=1)
 
 
 def test_interleaved_1f1b_with_2_stages_per_rank_plans_every_stage_s_instructions(tmp_path):
