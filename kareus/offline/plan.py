@@ -27,17 +27,16 @@ from kareus.passes.decide import Choice
 from kareus.planner.budget import Budget
 from kareus.planner.compose import FrontierPoint
 from kareus.planner.graph import GraphFrontier
-from kareus.planner.iteration import FRONTIER_POINTS, energy_model, plan_iteration
-from kareus.planner.methods import METHODS, InstructionChoice, instruction_options
-from kareus.planner.pipeline import PipelineDag, PipelinePoint, gpipe, one_f_one_b, schedule
-from kareus.planner.plan import (
-    GraphPlan,
-    InstructionGraph,
-    InstructionPlan,
-    PipelineLayout,
-    Plan,
-    StepCost,
+from kareus.planner.iteration import (
+    FRONTIER_POINTS,
+    IterationPlan,
+    energy_model,
+    plan_iteration,
 )
+from kareus.planner.methods import METHODS, InstructionChoice, instruction_options
+from kareus.planner.pipeline import PipelineDag, PipelinePoint, gpipe, one_f_one_b
+from kareus.planner.pipeline_step import plan_of, stage_options
+from kareus.planner.plan import GraphPlan, PipelineLayout, Plan, StepCost
 
 SCHEDULES: dict[str, Callable[[int, int], PipelineDag]] = {"1f1b": one_f_one_b, "gpipe": gpipe}
 
@@ -229,55 +228,22 @@ def step_plan(plan: OfflinePlan, kareus_version: str) -> tuple[Plan | None, str]
 
 
 def pipeline_plan(plan: OfflinePlan, kareus_version: str) -> Plan:
-    """The chosen iteration as a pipeline's plan (as ``planner.pipeline_step`` makes one at
-    run time): each instruction's clock and graphs' choices, when it starts; costs per
-    iteration of one replica."""
+    """The chosen iteration as a pipeline's plan, the record ``planner.pipeline_step``
+    makes at run time: each instruction's clock and graphs' choices, when it starts; costs
+    per iteration of one replica."""
     w = plan.workload
-    by_stage = {s.stage: s for s in plan.stages}
-    durations = [_instruction_cost(by_stage[i.stage], i.kind, c).time_s
-                 for i, c in zip(plan.dag.instructions, plan.chosen.choices, strict=True)]
-    starts, _ = schedule(plan.dag, durations)
-    instructions, graphs = [], {}
-    for i, c, start in zip(plan.dag.instructions, plan.chosen.choices, starts, strict=True):
-        runs = getattr(by_stage[i.stage], i.kind)
-        cost = _instruction_cost(by_stage[i.stage], i.kind, c)
-        entries = tuple(InstructionGraph(g.label, g.graph_hash, n, choice)
-                        for (g, n), choice in zip(runs, c.graphs, strict=True))
-        instructions.append(InstructionPlan(i.stage, i.microbatch, i.kind, c.clock_mhz,
-                                            entries, start, cost.time_s,
-                                            w.tp * cost.effective_energy_j))
-        for (g, _), choice in zip(runs, c.graphs, strict=True):
-            point = _point(g, choice)
-            graphs.setdefault(g.label, GraphPlan(g.label, g.graph_hash, choice, point.time_s,
-                                                 point.effective_energy_j))
-
-    def cost(p: PipelinePoint) -> StepCost:
-        return StepCost(p.time_s, p.energy_j)
-
-    return Plan(
-        graphs=tuple(graphs.values()),
-        predicted=cost(plan.chosen),
-        baseline=cost(plan.baseline),
-        frontier=tuple(map(cost, plan.frontiers["kareus"])),
-        frequency_only=tuple(map(cost, plan.frontiers["perseus"])),
-        budget=plan.budget,
-        device=plan.device,
-        model_version=plan.model_version,
-        static_power_w=plan.static_power_w,
-        options={"nanobatches": 1},
-        kareus_version=kareus_version,
-        pipeline=PipelineLayout(plan.schedule, w.pp, w.pp, w.microbatches),
-        instructions=tuple(instructions),
+    posted = [stage_options(
+        s.stage, w.tp,
+        {kind: tuple((g.label, g.graph_hash, n) for g, n in getattr(s, kind))
+         for kind in ("forward", "backward")},
+        {g.label: g for g, _ in (*s.forward, *s.backward)},
+    ) for s in plan.stages]
+    return plan_of(
+        PipelineLayout(plan.schedule, w.pp, w.pp, w.microbatches), plan.dag,
+        IterationPlan(plan.frontiers, plan.chosen), posted, budget=plan.budget,
+        device=(plan.device, plan.model_version, plan.static_power_w),
+        options={"nanobatches": 1}, kareus_version=kareus_version,
     )
-
-
-def _instruction_cost(stage: StageGraphs, kind: str, choice: InstructionChoice) -> FrontierPoint:
-    """One GPU's cost of ``stage``'s ``kind`` instruction running ``choice``: its graphs'
-    points, counted."""
-    points = [(_point(g, c), n) for (g, n), c in
-              zip(getattr(stage, kind), choice.graphs, strict=True)]
-    return FrontierPoint(sum(n * o.time_s for o, n in points),
-                         sum(n * o.effective_energy_j for o, n in points), choice)
 
 
 def _point(graph: GraphFrontier, choice: Choice) -> FrontierPoint:

@@ -157,15 +157,17 @@ def make_pipeline_plan(
 ) -> Plan:
     """The iteration's plan from every stage's options (deterministic: every rank that
     has the same posts makes the same plan)."""
-    by_stage = {p.stage: p for p in posted}
     dag = iteration_dag(shape)
     gpus = sum(p.gpus for p in posted)
     model = energy_model(device.static_power_w, device.clock_switch_s, gpus)
-    per_method = {m: {(s, k): by_stage[s].options[k][m] for s in by_stage for k in KINDS}
+    per_method = {m: {(p.stage, k): p.options[k][m] for p in posted for k in KINDS}
                   for m in METHODS}
     planned = plan_iteration(dag, per_method, budget, model=model,
                              max_power_w=(device.power_limit_w or 0.0) * gpus)
-    return _plan(shape, dag, planned, by_stage, model, budget, device, options, kareus_version)
+    layout = PipelineLayout(shape.schedule, shape.stages, shape.ranks, shape.microbatches)
+    return plan_of(layout, dag, planned, posted, budget=budget,
+                   device=(device.identity, device.model_version, device.static_power_w),
+                   options=options, kareus_version=kareus_version)
 
 
 def per_stage(shape: PipelineShape, posted: Sequence[StageOptions], budget: Budget,
@@ -196,16 +198,29 @@ def per_stage(shape: PipelineShape, posted: Sequence[StageOptions], budget: Budg
     return baseline(dag, options, picks, model=model)
 
 
-def _plan(shape: PipelineShape, dag: PipelineDag, planned: IterationPlan,
-          by_stage: Mapping[int, StageOptions], model: Any, budget: Any, device: Device,
-          options: Mapping[str, Any], kareus_version: str) -> Plan:
+def plan_of(
+    layout: PipelineLayout,
+    dag: PipelineDag,
+    planned: IterationPlan,
+    posted: Sequence[StageOptions],
+    *,
+    budget: Budget,
+    device: tuple[str, str | None, float],
+    options: Mapping[str, Any],
+    kareus_version: str,
+) -> Plan:
+    """The plan record of ``planned``'s chosen iteration over ``dag``, whose stages'
+    options are ``posted``: each instruction's clock, graphs' choices, predicted start and
+    cost; ``device``: (identity, model version, one GPU's static power)."""
+    by_stage = {p.stage: p for p in posted}
     chosen = planned.chosen
-    starts, _ = schedule(dag, [_time(by_stage, i, c) for i, c in
-                               zip(dag.instructions, chosen.choices, strict=True)])
+    points = [_option(by_stage[i.stage], i.kind, c)
+              for i, c in zip(dag.instructions, chosen.choices, strict=True)]
+    starts, _ = schedule(dag, [o.time_s for o in points])
     instructions = []
-    for i, c, start in zip(dag.instructions, chosen.choices, starts, strict=True):
+    for i, c, start, point in zip(dag.instructions, chosen.choices, starts, points,
+                                  strict=True):
         composition = by_stage[i.stage].graphs[i.kind]
-        point = next(o for o in by_stage[i.stage].options[i.kind]["kareus"] if o.choice == c)
         instructions.append(InstructionPlan(
             i.stage, i.microbatch, i.kind, c.clock_mhz,
             tuple(InstructionGraph(label, h, n, g)
@@ -224,6 +239,7 @@ def _plan(shape: PipelineShape, dag: PipelineDag, planned: IterationPlan,
     def cost(p: PipelinePoint) -> StepCost:
         return StepCost(p.time_s, p.energy_j)
 
+    identity, model_version, static_power_w = device
     return Plan(
         graphs=tuple(graphs.values()),
         predicted=cost(chosen),
@@ -231,18 +247,20 @@ def _plan(shape: PipelineShape, dag: PipelineDag, planned: IterationPlan,
         frontier=tuple(map(cost, planned.frontiers["kareus"])),
         frequency_only=tuple(map(cost, planned.frontiers["perseus"])),
         budget=budget,
-        device=device.identity,
-        model_version=device.model_version,
-        static_power_w=device.static_power_w,
+        device=identity,
+        model_version=model_version,
+        static_power_w=static_power_w,
         options=dict(options),
         kareus_version=kareus_version,
-        pipeline=PipelineLayout(shape.schedule, shape.stages, shape.ranks, shape.microbatches),
+        pipeline=layout,
         instructions=tuple(instructions),
     )
 
 
-def _time(by_stage: Mapping[int, StageOptions], i: Any, c: InstructionChoice) -> float:
-    return next(o.time_s for o in by_stage[i.stage].options[i.kind]["kareus"] if o.choice == c)
+def _option(stage: StageOptions, kind: str, choice: InstructionChoice) -> FrontierPoint:
+    """The option of ``stage``'s ``kind`` that runs ``choice``, under whichever method
+    offers it (the baseline's may be pruned from kareus's, where another dominates it)."""
+    return next(o for per in stage.options[kind].values() for o in per if o.choice == choice)
 
 
 def runs_stored(plan: Plan | None, shape: PipelineShape,
