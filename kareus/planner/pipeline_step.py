@@ -299,9 +299,9 @@ def agree_on(key: str, plan: Plan | None, why: str | None, timeout_s: float) -> 
     """Whether every rank proposes this plan (None: this rank has none, ``why``)."""
     verdict = agree(f"{key}/plan", plan.digest if plan else f"unplanned: {why}",
                     world_group(), timeout_s=timeout_s)
-    if not verdict:
+    if plan is None or not verdict:  # also where every rank agrees it has none
         log.warning("kareus: the pipeline is not planned: %s; each graph keeps its choice",
-                    verdict.reason if plan else why)
+                    why if plan is None else verdict.reason)
     return bool(verdict) and plan is not None
 
 
