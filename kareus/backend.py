@@ -8,7 +8,9 @@ at the first backward call); each goes through the stages, each a call into its 
       -> agree and materialise (runtime: codegen's apply) -> report -> lower (codegen)
 
 and, where a plan may later choose otherwise or ``verify`` checks the first run, what
-runs is a ``runtime.selectable.SelectableGraph``.
+runs is a ``runtime.selectable.SelectableGraph``. On a device that cannot cost a graph
+without running it (a real GPU), choosing waits for the graph's first call: it is
+measured on its inputs then (``planner.measured``).
 """
 
 from __future__ import annotations
@@ -29,11 +31,12 @@ from kareus.options import KareusOptionError, KareusOptions
 from kareus.passes.analyse import ForwardInterfaces, analyse
 from kareus.passes.decide import Policy, VariantChooser, decide, earliest_slots, follow
 from kareus.planner.graph import device_cost
+from kareus.planner.measured import FirstCallPlanning
 from kareus.planner.pipeline_step import PipelinePlanning
 from kareus.planner.plan import Plan
 from kareus.planner.step import StepPlanner
 from kareus.profiler.graph import profile
-from kareus.profiler.measure import Protocol
+from kareus.profiler.measure import GpuTime, Protocol
 from kareus.profiler.store import default_cache_dir
 from kareus.reports import GraphReport, ReportBook, modelled_cost
 from kareus.runtime import process_runtime
@@ -81,6 +84,7 @@ class KareusBackend:
         self.protocol = protocol or Protocol()
         self._reports = ReportBook(self.runtime.backends.next_report, self.options.explain)
         self._planner: StepPlanner | None = None
+        self._spend: GpuTime | None = None
         self._given_plan = Plan.load(self.options.plan) if self.options.plan else None
         if self._given_plan is not None:
             self.options.check_plan(self._given_plan)
@@ -103,6 +107,15 @@ class KareusBackend:
         """The cache directory: the profile store and stored plans."""
         directory = self.options.cache_dir
         return Path(directory).expanduser() if directory else default_cache_dir()
+
+    @property
+    def spend(self) -> GpuTime:
+        """The GPU-seconds this backend's profiling took on this rank, per graph and in
+        total, against ``profile_budget_s``."""
+        if self._spend is None:
+            self._spend = GpuTime(self.options.profile_budget_s,
+                                  estimated=self.device.deterministic)
+        return self._spend
 
     @property
     def planner(self) -> StepPlanner:
@@ -187,17 +200,26 @@ class KareusBackend:
         planning = options.plans(analysis.space.nanobatches,
                                  policy_in_code=self._policy_in_code, pipelined=pipelined)
         counts = () if self._given_plan else self.planner.graph_counts(analysis)
+        settings = options.profiling(self.protocol)
         profiled = profile(
-            analysis, counts, device, self.store_dir, options.profiling(self.protocol),
+            analysis, counts, device, self.store_dir, settings,
             plans=options.budget if planning else None, compile_key=compile_key,
             lower=lambda g, examples: lower(g, examples, options.lowering),
-            communicators=self.runtime.communicators,
+            communicators=self.runtime.communicators, spend=self.spend,
         )
-        choice, plan_note = None, None
-        if profiled.planned:
+        builder = GraphBuilder(gm, analysis, options.lowering, kwargs, self.runtime.communicators)
+        choice, plan_note, first_call = None, None, None
+        if profiled.planned and device.costs_graphs:
             choice, plan_note = self.planner.choose(
                 analysis, profiled.profiles, device_cost(gm, analysis, device, world),
                 region=region, compile_key=compile_key,
+            )
+        elif profiled.planned:
+            plan_note = ("planned at its first call: its variants are measured on its inputs "
+                         f"then, on {device.name}")
+            first_call = FirstCallPlanning(
+                analysis, profiled.profiles, self.planner, builder, device, self.store_dir,
+                settings, self.spend, self._reports, region, compile_key, world,
             )
         elif self._given_plan is not None:
             choice, plan_note = self.planner.given_choice(analysis)
@@ -212,11 +234,11 @@ class KareusBackend:
             analysis, decision, lowering=options.lowering, device=device.name,
             estimate=estimate, profiles=profiled.profiles,
             notes=tuple(n for n in (profiled.note, plan_note, estimate_note) if n),
+            profile_gpu_s=self.spend.by_graph.get(analysis.label, 0.0),
         ))
         lowered = lower(compiled, inputs, options.lowering, **kwargs)
-        if choice is None and not options.verify and not pipelined:
+        if choice is None and first_call is None and not options.verify and not pipelined:
             return lowered
-        builder = GraphBuilder(gm, analysis, options.lowering, kwargs, self.runtime.communicators)
         verifier = Verifier(
             gm, analysis, builder, self._reports, compile_key=compile_key,
             timeout_s=options.agreement_timeout_s,
@@ -224,6 +246,7 @@ class KareusBackend:
         return SelectableGraph(
             analysis.label, analysis.key, decision.choice, lowered, builder, self.planner,
             self._reports, verifier, self.runtime.instructions if pipelined else None,
+            first_call,
         )
 
     @property

@@ -87,6 +87,18 @@ class KareusOptions:
             "earlier once the frontier stops improving)",
         },
     )
+    profile_budget_s: float | None = dataclasses.field(
+        default=None,
+        metadata={
+            "plans": False,
+            "validate": lambda value: None if value is None else _timeout_problem(value),
+            "accepted": "None | a number of GPU-seconds > 0",
+            "doc": "the most GPU-seconds this rank spends measuring (partitions and whole "
+            "graphs; a simulated GPU counts what a real one would take). Once spent, nothing "
+            "more is measured: a partition not searched yet runs at its earliest slot, a graph "
+            "not measured yet is not planned and runs as the options say at the default clock",
+        },
+    )
     search: str = dataclasses.field(
         default="bayesian",
         metadata={

@@ -100,6 +100,7 @@ class GraphReport:
     barriers: tuple[Reason, ...]  # where split regions end, and why
     coverage: Coverage
     profiles: tuple[PartitionProfile, ...] = ()  # frontiers of its distinct partitions
+    profile_gpu_s: float = 0.0  # GPU-seconds measuring it took on this rank (``GpuTime``)
 
     @classmethod
     def build(
@@ -112,6 +113,7 @@ class GraphReport:
         estimate: Measurement | None = None,
         notes: tuple[str, ...] = (),
         profiles: tuple[PartitionProfile, ...] = (),
+        profile_gpu_s: float = 0.0,
     ) -> GraphReport:
         placed = analysis.placements_at(decision.requested)
         split = sum(per_nanobatch(placed.placements[c.node]) for c in analysis.collectives)
@@ -139,6 +141,7 @@ class GraphReport:
             barriers=barriers,
             coverage=Coverage(split, len(analysis.collectives), barriers[0] if barriers else None),
             profiles=profiles,
+            profile_gpu_s=profile_gpu_s,
         )
 
     @property
@@ -233,6 +236,8 @@ def report_table(report: GraphReport) -> Table:
             f"\non {report.device} at {e.clock_mhz} MHz (modelled): {e.time_s * 1e3:.3f} ms, "
             f"{e.energy_j * 1e3:.2f} mJ ({e.effective_energy_j * 1e3:.2f} mJ above static)"
         )
+    if report.profile_gpu_s:
+        title += f"\nprofiling took {report.profile_gpu_s:.1f} GPU-s on this rank"
     space = report.variants
     title += f"\ncoverage: {report.coverage}"
     title += (

@@ -127,6 +127,10 @@ class Device(abc.ABC):
     """Whether :meth:`measure` applies SM caps given as ``resources`` (a model). A real GPU
     caps a collective only through a capped communicator the runtime creates."""
 
+    costs_graphs: ClassVar[bool] = False
+    """Whether :meth:`estimate_at` costs a whole graph without running it (a model); a
+    device that cannot has its graphs measured at their first call (``planner.measured``)."""
+
     deterministic: ClassVar[bool] = False
     """Whether measuring the same workload again gives the same answer (a model): the
     measurement protocol then measures once instead of repeating."""
@@ -178,6 +182,12 @@ class Device(abc.ABC):
     ) -> dict[int, Measurement] | None:
         """:meth:`estimate` at each of ``clocks``: what the planner costs a whole graph with
         (its compute outside the profiled partitions); None where the device cannot."""
+        return None
+
+    @property
+    def clock_limitation(self) -> str | None:
+        """Why this device plans at fewer clocks than it supports, and how to lift it (a GPU
+        whose clocks this process may not set); None where it does not."""
         return None
 
     @property

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch.fx
@@ -32,13 +32,9 @@ from kareus.passes.decide import Choice
 from kareus.passes.ops import DEFAULT_CLOCK_MHZ
 from kareus.passes.variants import PartitionChoices, Variant
 from kareus.planner.compose import FrontierPoint, clock_of, fronts_by, variants_frontier
+from kareus.profiler.graph_cost import GraphCost
 from kareus.profiler.profile import PartitionProfile
 from kareus.profiler.search import Config, Point, complete
-
-GraphCost = Callable[[Variant | None, Sequence[int]], dict[int, Measurement] | None]
-"""(variant, clocks) -> what the graph costs at each clock as that variant (None:
-unrewritten); None where the device cannot tell without running it."""
-
 
 
 def device_cost(

@@ -128,13 +128,20 @@ class StepPlanner:
         self.plan.check_choice(entry, analysis.space, self.device, source)
         return entry.choice, f"choice from the plan {source}"
 
+    def explore(
+        self, analysis: GraphAnalysis, profiles: Sequence[PartitionProfile], cost: GraphCost
+    ) -> GraphFrontier | None:
+        """The graph's frontier from ``cost``: what asks a device that measures whole graphs
+        for the variants to measure (``planner.measured``)."""
+        return graph_frontier(analysis, profiles, self.graph_counts(analysis),
+                              self.device.search_clocks(), cost)
+
     def _frontier(
         self, analysis: GraphAnalysis, profiles: Sequence[PartitionProfile], cost: GraphCost
     ) -> tuple[GraphFrontier | None, str | None]:
         device = self.device
         try:
-            frontier = graph_frontier(analysis, profiles, self.graph_counts(analysis),
-                                      device.search_clocks(), cost)
+            frontier = self.explore(analysis, profiles, cost)
         except Exception as exc:  # noqa: BLE001 - a graph that cannot be planned still runs
             log.warning("%s: not planned: %s: %s", analysis.label, type(exc).__name__, exc)
             return None, f"not planned: {type(exc).__name__}: {exc}"
@@ -148,9 +155,16 @@ class StepPlanner:
         return frontier, None
 
     def _plan_step(self, compile_key: str) -> None:
-        """Plan the step (a ``BudgetError`` where no plan meets the budget) and run it once
-        every rank of the step's collectives made the same plan."""
-        plan = self.make()
+        """Plan the step (a ``BudgetError`` where no plan meets the budget, saying where the
+        device limits the plans, as one that cannot set clocks does) and run it once every
+        rank of the step's collectives made the same plan."""
+        try:
+            plan = self.make()
+        except BudgetError as exc:
+            limitation = self.device.clock_limitation
+            if limitation is None:
+                raise
+            raise BudgetError(f"{exc}; {limitation}") from exc
         verdict = agree(f"{compile_key}/plan", plan.digest, self.groups(),
                         timeout_s=self.timeout_s)
         if not verdict:

@@ -33,8 +33,9 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _get_default_store, _resolve_process_group
@@ -49,9 +50,14 @@ log = logging.getLogger("kareus")
 
 _MAX_POLL_S = 0.05
 
-MeasureHere = Callable[[Config, Callable[[int], int] | None], Measurement]
-"""Measures a configuration on this rank; the second argument is how the ranks agree on
+MeasureHere = Callable[[Any, Callable[[int], int] | None], Measurement]
+"""Measures an instruction's configuration on this rank (a partition's ``search.Config``,
+or what the team's ``decode`` makes of it); the second argument is how the ranks agree on
 counts while measuring it together (``Workload.agree``; None alone)."""
+
+
+def _config(fields: dict[str, Any]) -> Hashable:
+    return Config(**fields)
 
 
 class ProfilingAborted(KareusError, RuntimeError):
@@ -76,21 +82,46 @@ class Team:
     stop: threading.Event | None = None
     """Set (a signal): every wait gives up (``interrupt.ProfilingInterrupted``); the rank
     then aborts the search, so the others stop too."""
+    decode: Callable[[dict[str, Any]], Hashable] = field(default=_config, compare=False)
+    """What an instruction's configuration is, from its fields (``dataclasses.asdict`` of
+    the one the leader posted): a partition's ``search.Config`` unless told otherwise."""
 
     @classmethod
     def of_group(
-        cls, group_name: str, prefix: str, timeout_s: float, stop: threading.Event | None = None
+        cls, group_name: str, prefix: str, timeout_s: float, stop: threading.Event | None = None,
+        decode: Callable[[dict[str, Any]], Hashable] = _config,
     ) -> Team:
         """The team of the process group ``group_name`` (alone for a fake or a one-rank
         group, or without torch.distributed)."""
         if not dist.is_initialized():
-            return cls((0,), 0, 1, prefix, timeout_s, stop=stop)
+            return cls((0,), 0, 1, prefix, timeout_s, stop=stop, decode=decode)
         group = _resolve_process_group(group_name)
         size = dist.get_world_size(group)
         if dist.get_backend(group) == "fake" or size == 1:
-            return cls((dist.get_rank(),), dist.get_rank(), size, prefix, timeout_s, stop=stop)
+            return cls((dist.get_rank(),), dist.get_rank(), size, prefix, timeout_s, stop=stop,
+                       decode=decode)
         ranks = tuple(sorted(dist.get_process_group_ranks(group)))
-        return cls(ranks, dist.get_rank(), size, prefix, timeout_s, _get_default_store(), stop)
+        return cls(ranks, dist.get_rank(), size, prefix, timeout_s, _get_default_store(), stop,
+                   decode)
+
+    @classmethod
+    def of_groups(
+        cls, group_names: Sequence[str], prefix: str, timeout_s: float,
+        stop: threading.Event | None = None,
+        decode: Callable[[dict[str, Any]], Hashable] = _config,
+    ) -> Team:
+        """The team of every rank of the process groups ``group_names`` (a whole graph's
+        collectives: it runs only where all of them run it); alone where each group is a
+        fake or one-rank group."""
+        if len(group_names) == 1 or not dist.is_initialized():
+            return cls.of_group(group_names[0], prefix, timeout_s, stop, decode)
+        teams = [cls.of_group(name, prefix, timeout_s, stop, decode) for name in group_names]
+        if all(t.alone for t in teams):
+            return cls((dist.get_rank(),), dist.get_rank(), max(t.group_size for t in teams),
+                       prefix, timeout_s, stop=stop, decode=decode)
+        ranks = tuple(sorted({r for t in teams for r in t.ranks}))
+        return cls(ranks, dist.get_rank(), len(ranks), prefix, timeout_s, _get_default_store(),
+                   stop, decode)
 
     @property
     def alone(self) -> bool:
@@ -102,7 +133,7 @@ class Team:
 
     # -- the leader ------------------------------------------------------------------------
 
-    def measure(self, step: int, config: Config, measure_here: MeasureHere) -> Measurement:
+    def measure(self, step: int, config: Any, measure_here: MeasureHere) -> Measurement:
         """Instruction ``step``: every rank measures ``config``; the group's measurement."""
         if self.alone:
             return group_measurement([measure_here(config, None)], self.group_size)
@@ -113,7 +144,7 @@ class Team:
         theirs = [_measurement(_text(self._store.get(key))) for key in others]
         return group_measurement([mine, *theirs], self.group_size)
 
-    def finish(self, step: int, result: SearchResult, measured: dict[Config, Measurement]) -> None:
+    def finish(self, step: int, result: SearchResult, measured: dict[Any, Measurement]) -> None:
         """Post the result as instruction ``step``: the others adopt it."""
         if not self.alone:
             self._store.set(self._step(step), f"done {_result_json(result, measured)}")
@@ -124,7 +155,7 @@ class Team:
 
     # -- the others ------------------------------------------------------------------------
 
-    def follow(self, measure_here: MeasureHere) -> tuple[SearchResult, dict[Config, Measurement]]:
+    def follow(self, measure_here: MeasureHere) -> tuple[SearchResult, dict[Any, Measurement]]:
         """Measure what the leader asks, until it posts the result; return that result."""
         step = 0
         while True:
@@ -136,13 +167,13 @@ class Team:
                 raise
             kind, _, payload = _text(self._store.get(self._step(step))).partition(" ")
             if kind == "done":
-                return _result(payload)
+                return _result(payload, self.decode)
             if kind != "measure":
                 raise UnreadableInstructionError(
                     f"unreadable instruction {kind!r} under {self._keys}"
                 )
             try:
-                mine = measure_here(Config(**json.loads(payload)), self.agreement(step))
+                mine = measure_here(self.decode(json.loads(payload)), self.agreement(step))
             except BaseException as exc:
                 self.abort(f"rank {self.rank} failed to measure: {type(exc).__name__}: {exc}")
                 raise
@@ -210,7 +241,7 @@ def _measurement(text: str | dict) -> Measurement:
     return Measurement(**{**fields, "resources": tuple(map(tuple, fields["resources"]))})
 
 
-def _result_json(result: SearchResult, measured: dict[Config, Measurement]) -> str:
+def _result_json(result: SearchResult, measured: dict[Any, Measurement]) -> str:
     return json.dumps({
         "stopped": result.stopped,
         "hypervolumes": result.hypervolumes,
@@ -218,9 +249,11 @@ def _result_json(result: SearchResult, measured: dict[Config, Measurement]) -> s
     })
 
 
-def _result(text: str) -> tuple[SearchResult, dict[Config, Measurement]]:
+def _result(
+    text: str, decode: Callable[[dict[str, Any]], Hashable]
+) -> tuple[SearchResult, dict[Any, Measurement]]:
     data = json.loads(text)
-    measured = {Config(**c): _measurement(m) for c, m in data["points"]}
+    measured = {decode(c): _measurement(m) for c, m in data["points"]}
     points = [Point.of(config, m) for config, m in measured.items()]
     return SearchResult(points, data["stopped"], data["hypervolumes"]), measured
 

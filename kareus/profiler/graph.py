@@ -17,6 +17,7 @@ import torch.distributed as dist
 from kareus.devices.base import Device
 from kareus.passes.analyse import GraphAnalysis
 from kareus.profiler.interrupt import DeferredSignals
+from kareus.profiler.measure import GpuTime
 from kareus.profiler.profile import PartitionProfile, Settings, profile_graph
 from kareus.profiler.progress import ProfilingProgress, make_console, summary_table
 from kareus.profiler.store import ProfileStore
@@ -47,6 +48,7 @@ def profile(
     compile_key: str,
     lower: Lower | None = None,
     communicators: Communicators | None = None,
+    spend: GpuTime | None = None,
 ) -> GraphProfiles:
     """The frontiers of ``analysis``'s distinct partitions at each of ``counts`` (those of
     them above 1 that apply; none with ``settings.mode == "off"``), from the profile store
@@ -59,8 +61,9 @@ def profile(
     it alike, so that no rank waits for another's plan. Rank 0 shows progress and a
     summary; the device's clocks are back at default afterwards, also after SIGINT or
     SIGTERM: the measuring stops, the clocks are reset, and only then does the signal act
-    (``interrupt.DeferredSignals``).
+    (``interrupt.DeferredSignals``). ``spend`` counts (and may cap) the GPU-seconds taken.
     """
+    spend = spend if spend is not None else GpuTime()
     searched = tuple(k for k in counts if k > 1 and k in analysis.space.nanobatches)
     wants = settings.mode != "off" and bool(searched)
     planned = plans is not None
@@ -89,14 +92,15 @@ def profile(
                     profiles += profile_graph(
                         analysis, k, device, store, settings, prefix=compile_key,
                         progress=progress, lower=lower, communicators=communicators,
-                        stop=signals.stop,
+                        stop=signals.stop, spend=spend,
                     )
         finally:
             if device.controls_clocks:
                 device.clock_controller().reset()
     if shows and profiles:
         make_console().print(summary_table(
-            f"kareus {analysis.label}: partition frontiers on {device.identity}", profiles
+            f"kareus {analysis.label}: partition frontiers on {device.identity} "
+            f"({spend.describe(analysis.label)})", profiles
         ))
     return GraphProfiles(profiles, planned)
 

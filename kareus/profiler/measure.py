@@ -12,6 +12,11 @@ simulated GPU) is measured once: its answer is analytic and instant.
 A partition variant runs on every rank of its collective's group at once, so what it
 costs is the group's: time is the slowest rank's, energy the sum over the ranks
 (:func:`group_measurement`).
+
+What profiling costs is counted in GPU-seconds on this rank (:class:`GpuTime`), per graph
+and in total, and may be capped (the ``profile_budget_s`` option): a real GPU's are the
+wall time of its measurements; a simulated GPU's, what the protocol would take on a real
+one (:meth:`Protocol.seconds_per_evaluation`), so a cap behaves alike on both.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from kareus.devices.base import Device, Measurement, Resources, Workload
 from kareus.devices.nvml.energy import DEFAULT_MIN_WINDOW_S
@@ -38,6 +43,44 @@ class MeasurementProtocolError(KareusError, ValueError):
 
 class GroupMeasurementError(KareusError, ValueError):
     """The measurements handed over for a group are not one, nor one per rank."""
+
+
+class ProfileBudgetSpent(KareusError, RuntimeError):
+    """The GPU-seconds ``profile_budget_s`` allows for profiling are spent: what is not
+    measured yet is not measured (its partition or graph runs without a search)."""
+
+
+@dataclass
+class GpuTime:
+    """GPU-seconds profiling took on this rank, per graph label and in total, against an
+    optional cap (``budget_s``). ``estimated``: the seconds are what a real GPU would take
+    (a simulated device measures instantly)."""
+
+    budget_s: float | None = None
+    by_graph: dict[str, float] = field(default_factory=dict)
+    estimated: bool = False
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.by_graph.values())
+
+    def charge(self, graph: str, seconds: float) -> None:
+        self.by_graph[graph] = self.by_graph.get(graph, 0.0) + seconds
+
+    def check(self) -> None:
+        """Raise ``ProfileBudgetSpent`` once the cap is reached: called before measuring."""
+        if self.budget_s is not None and self.total_s >= self.budget_s:
+            raise ProfileBudgetSpent(
+                f"the profiling budget of {self.budget_s:g} GPU-s is spent "
+                f"({self.total_s:.1f} GPU-s{' estimated' if self.estimated else ''})"
+            )
+
+    def describe(self, graph: str) -> str:
+        """This graph's and the total, for reports and tables."""
+        kind = "estimated GPU-s" if self.estimated else "GPU-s"
+        cap = "" if self.budget_s is None else f" of {self.budget_s:g}"
+        return (f"{self.by_graph.get(graph, 0.0):.1f} {kind} profiling this graph, "
+                f"{self.total_s:.1f}{cap} in total")
 
 
 @dataclass(frozen=True)
@@ -94,16 +137,31 @@ def measure_variant(
     protocol: Protocol = Protocol(),
     sleep: Callable[[float], None] = time.sleep,
     stop: threading.Event | None = None,
+    spent: Callable[[float], None] = lambda seconds: None,
 ) -> Measurement:
     """One variant on this rank's GPU under ``protocol``: the medians of its repeats. Once
     ``stop`` is set no repeat starts (``interrupt.ProfilingInterrupted``): each sets the
-    clock, which must stay reset after an interrupt."""
+    clock, which must stay reset after an interrupt. ``spent`` is told the GPU-seconds it
+    took (see :class:`GpuTime`)."""
     def once() -> Measurement:
         check(stop)
         return device.measure(workload, clock_mhz, resources=resources)
 
     if device.deterministic:
-        return once()
+        m = once()
+        spent(protocol.seconds_per_evaluation(m.time_s))
+        return m
+    started = time.perf_counter()
+    try:
+        return _repeated(device, workload, clock_mhz, once, protocol, sleep)
+    finally:
+        spent(time.perf_counter() - started)
+
+
+def _repeated(
+    device: Device, workload: Workload, clock_mhz: int, once: Callable[[], Measurement],
+    protocol: Protocol, sleep: Callable[[float], None],
+) -> Measurement:
     decide = workload.agree or (lambda more: more)  # ranks measuring together repeat alike
     runs = [once()]
     while decide(int(len(runs) < protocol.repeats or (

@@ -28,7 +28,7 @@ from kareus.passes.partition import Partition
 from kareus.passes.variants import PartitionChoices
 from kareus.profiler.exchange import ProfilingAborted, Team
 from kareus.profiler.interrupt import check
-from kareus.profiler.measure import Protocol, measure_variant
+from kareus.profiler.measure import GpuTime, Protocol, measure_variant
 from kareus.profiler.search import (
     Config,
     Point,
@@ -87,6 +87,7 @@ class PartitionProfile:
     error: str | None = None
     points: tuple[ProfilePoint, ...] = ()  # every evaluation, in the order it was made
     group_size: int = 1  # the ranks whose GPUs time and energy add up (``group_measurement``)
+    gpu_s: float = 0.0  # GPU-seconds its measurements took on this rank (``measure.GpuTime``)
 
 
 Progress = Callable[[str, int, int, list[Point]], None]
@@ -105,6 +106,7 @@ def profile_graph(
     lower: Lower | None = None,
     communicators: Communicators | None = None,
     stop: threading.Event | None = None,
+    spend: GpuTime | None = None,
 ) -> tuple[PartitionProfile, ...]:
     """Search every distinct partition of ``analysis`` at ``k`` nanobatches (none when the
     mode is "off" or ``k`` does not apply). ``prefix`` names this compile of the graph
@@ -113,7 +115,10 @@ def profile_graph(
     model communication resources measures a capped collective on a capped communicator
     from ``communicators``; without them, it searches only the library's default. Once
     ``stop`` is set (a signal, ``interrupt.DeferredSignals``) no measurement starts: the
-    search in progress is given up, its team told, and ``ProfilingInterrupted`` raised."""
+    search in progress is given up, its team told, and ``ProfilingInterrupted`` raised.
+    ``spend`` counts the GPU-seconds measuring takes; once its cap is reached a leader
+    measures nothing more: the search is given up (``measure.ProfileBudgetSpent``), and its
+    partition runs at its earliest slot."""
     if settings.mode == "off" or k == 1 or k not in analysis.space.nanobatches:
         return ()
     groups: dict[str, list[tuple[PartitionChoices, Partition]]] = {}
@@ -125,7 +130,7 @@ def profile_graph(
     def searches() -> tuple[PartitionProfile, ...]:
         return tuple(
             _Search(analysis, k, members, device, store, settings, prefix, lower,
-                    communicators, stop).run(progress)
+                    communicators, stop, spend or GpuTime()).run(progress)
             for members in groups.values()
         )
 
@@ -178,10 +183,12 @@ class _Search:
         prefix: str,
         lower: Lower | None,
         communicators: Communicators | None,
-        stop: threading.Event | None = None,
+        stop: threading.Event | None,
+        spend: GpuTime,
     ) -> None:
         self.choices, self.partition = members[0]
-        self.stop = stop
+        self.stop, self.spend, self.gpu_s = stop, spend, 0.0
+        self.graph = analysis.label
         self.indices = tuple(c.index for c, _ in members)
         self.placements, self.table = analysis.placements[k], analysis.table
         self.k, self.device, self.store, self.settings = k, device, store, settings
@@ -244,6 +251,7 @@ class _Search:
             if hit is not None:
                 m = hit.measurement
             else:
+                self.spend.check()
                 m = self.team.measure(self.fresh, config, self._measure_here)
                 self.fresh += 1
                 self.store.record(self.key, knobs, m, replace=self.settings.mode == "refresh")
@@ -289,8 +297,12 @@ class _Search:
         return measure_variant(
             self.device, replace(workload, agree=agree), config.clock_mhz,
             resources={collective: config.sms} if modelled else None,
-            protocol=self.settings.protocol, stop=self.stop,
+            protocol=self.settings.protocol, stop=self.stop, spent=self._spent,
         )
+
+    def _spent(self, seconds: float) -> None:
+        self.gpu_s += seconds
+        self.spend.charge(self.graph, seconds)
 
     def _workload(self, slot: int, cap: int | None = None) -> tuple[Workload, str]:
         """The variant at ``slot``, its collective on a communicator capped to ``cap`` CTAs
@@ -336,4 +348,5 @@ class _Search:
             error=error,
             points=records(points),
             group_size=self.team.group_size,
+            gpu_s=self.gpu_s,
         )

@@ -69,7 +69,7 @@ def summary_table(title: str, profiles: Sequence[PartitionProfile]) -> Table:
     """Every profiled partition's frontier: its ends, size, and how it was obtained."""
     table = Table(title=title, title_justify="left")
     for column in ("partition key", "k", "collective", "used by", "evaluations", "measured",
-                   "stopped", "frontier", "fastest (ms, mJ)", "least energy (ms, mJ)"):
+                   "stopped", "frontier", "fastest (ms, mJ)", "least energy (ms, mJ)", "GPU-s"):
         table.add_column(column, overflow="fold")
     for p in profiles:
         ends = [
@@ -80,5 +80,6 @@ def summary_table(title: str, profiles: Sequence[PartitionProfile]) -> Table:
             p.key[:12], str(p.nanobatches), p.collective,
             ", ".join(f"p{i}" for i in p.partitions), f"{p.evaluations}/{p.space_size}",
             str(p.measured), p.error or p.stopped, str(len(p.frontier)), *ends,
+            f"{p.gpu_s:.1f}",
         )
     return table

@@ -34,7 +34,7 @@ import math
 import operator
 import random
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kareus.devices.base import Measurement
@@ -285,7 +285,7 @@ def _curves(points: Iterable[Point]) -> dict[tuple[int, int | None], Curve]:
     return curves
 
 
-def _between(curve: Curve, clock: int) -> tuple[float, float] | None:
+def between(curve: Mapping[int, Point | Measurement], clock: int) -> tuple[float, float] | None:
     """(time, energy) at ``clock`` from the measured clocks either side of it: time as
     a + b/f through both, energy along their chord (above a convex curve, so a cautious
     guess); None outside the measured range."""
@@ -308,13 +308,13 @@ def _predict(curves: dict[tuple[int, int | None], Curve], config: Config) -> Poi
     partition's schedules differ mostly in scale). Effective energy at the anchor's static
     power."""
     curve = curves[(config.slot, config.sms)]
-    guess = _between(curve, config.clock_mhz)
+    guess = between(curve, config.clock_mhz)
     anchor = curve[min(curve, key=lambda c: (abs(c - config.clock_mhz), -c))]
     if guess is None:
         shapes = [
             (len(other), at, base) for other in curves.values()
-            if (at := _between(other, config.clock_mhz)) is not None
-            and (base := _between(other, anchor.config.clock_mhz)) is not None
+            if (at := between(other, config.clock_mhz)) is not None
+            and (base := between(other, anchor.config.clock_mhz)) is not None
         ]
         if not shapes:
             return None

@@ -92,16 +92,25 @@ class GraphBuilder:
         call's inputs as examples; unrewritten (``CANNOT_REWRITE``) where the emitter
         cannot rewrite it. Every rank meets the same graph and choice, so every rank
         falls back alike. ``clocked=False``: without its clock switch (``apply``)."""
+        decision, graph = self.graph(choice, clocked)
+        return decision, self.lowered(graph, args)
+
+    def graph(self, choice: Choice, clocked: bool = True
+              ) -> tuple[Decision, torch.fx.GraphModule]:
+        """``choice`` decided and materialised (unrewritten where it cannot be), uncompiled."""
         decision = decide(self.analysis, follow(choice))
         try:
-            graph = materialise(self.gm, self.analysis, decision.choice, self.communicators,
-                                clocked)
+            return decision, materialise(self.gm, self.analysis, decision.choice,
+                                         self.communicators, clocked)
         except CannotRewrite as exc:
             decision = decision.fallback(Reason(ReasonKind.CANNOT_REWRITE, None, str(exc)))
-            graph = apply(self.gm, self.analysis, decision.choice, clocked=clocked)
+            return decision, apply(self.gm, self.analysis, decision.choice, clocked=clocked)
+
+    def lowered(self, graph: torch.fx.GraphModule, args: Sequence[Any]) -> Run:
+        """``graph`` compiled as the graph was first lowered, ``args`` its examples."""
         # Compiled while the step runs, outside any compile's context (fake mode).
         with torch._guards.tracing(None):
-            return decision, lower(graph, list(args), self.lowering, **self.inductor_kwargs)
+            return lower(graph, list(args), self.lowering, **self.inductor_kwargs)
 
 
 def _rewritten(

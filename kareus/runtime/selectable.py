@@ -15,7 +15,7 @@ switch is queued at that point of the stream, as a graph's own would be).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from kareus.passes.decide import Choice, Decision
@@ -73,6 +73,7 @@ class SelectableGraph:
         reports: Reports,
         verify: Verifier | None = None,
         instructions: InstructionTracker | None = None,
+        first_call: Callable[[list[Any]], None] | None = None,
     ) -> None:
         self._boxed_call = True  # an instance attribute: wrappers copy __dict__, not the class
         self.label, self.graph_hash, self.choice = label, graph_hash, choice
@@ -82,8 +83,14 @@ class SelectableGraph:
         self._unverified = verify is not None and choice.nanobatches > 1
         self._instructions = instructions
         self._variants: dict[tuple[int, tuple], Run] = {}  # unclocked, by (k, partitions)
+        self._first_call = first_call
+        """Run before the first call, on its inputs: a graph that can only be costed by
+        running it is measured and planned then (``planner.measured``)."""
 
     def __call__(self, args: list[Any]) -> Any:
+        if self._first_call is not None:
+            first, self._first_call = self._first_call, None
+            first(args)
         now = None if self._instructions is None else self._instructions.current()
         if now is not None:
             self._instructions.called(self.label, self.graph_hash)

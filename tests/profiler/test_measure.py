@@ -1,4 +1,5 @@
 import logging
+import time
 
 import pytest
 
@@ -69,11 +70,22 @@ def test_cooldown_between_repeats_only():
     assert slept == [5.0, 5.0]
 
 
-def test_a_model_is_measured_once(monkeypatch):
+def test_a_model_is_measured_once_and_charged_what_a_real_gpu_would_take(monkeypatch):
     gpu = SimulatedGPU("sim:a100-sxm4-40gb")
-    calls = []
-    monkeypatch.setattr(gpu, "measure", lambda *a, **k: calls.append(a) or "m")
-    assert measure_variant(gpu, W, 1410) == "m" and len(calls) == 1
+    calls, spent = [], []
+    m = Measurement(0.2, 50.0, 85.0, 1410, "model")
+    monkeypatch.setattr(gpu, "measure", lambda *a, **k: calls.append(a) or m)
+    assert measure_variant(gpu, W, 1410, spent=spent.append) is m and len(calls) == 1
+    assert spent == [Protocol().seconds_per_evaluation(0.2)]
+
+
+def test_a_real_gpu_is_charged_the_wall_time_of_its_repeats(monkeypatch):
+    gpu = Scripted([(1e-3, 0.3)] * 3)
+    monkeypatch.setattr(gpu, "measure", lambda *a, _m=gpu.measure, **k: time.sleep(0.01) or _m(
+        *a, **k))
+    spent = []
+    measure_variant(gpu, W, 1410, spent=spent.append)
+    assert len(spent) == 1 and spent[0] >= 0.03  # three repeats of 10 ms
 
 
 @pytest.mark.parametrize(

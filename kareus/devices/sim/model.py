@@ -754,6 +754,7 @@ class SimulatedGPU(Device):
 
     deterministic = True
     models_resources = True
+    costs_graphs = True
 
     def __init__(self, spec: GPUSpec | str, table: OpTable = OP_TABLE) -> None:
         self.spec = load_preset(spec) if isinstance(spec, str) else spec

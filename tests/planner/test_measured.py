@@ -1,0 +1,125 @@
+"""Graphs planned at their first call, where the device must run a graph to cost it (one
+process, fake process group): a simulated GPU that answers only by measuring stands for a
+real one, so the plan can be checked against the model's own. The budget is met, the next
+run measures nothing, a profiling budget stops the measuring with a stated fallback, and a
+device that cannot set clocks refuses a budget that needs them, saying why."""
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+import kareus
+from kareus.devices import SimulatedGPU
+from kareus.models.llama import Llama, LlamaConfig, parallelize_llama
+from kareus.planner.budget import BudgetError
+from kareus.profiler import measure
+
+CONFIG = LlamaConfig(dim=512, n_layers=1, n_heads=8, ffn_dim=1536, max_seq_len=128)
+
+
+class MeasuredOnly(SimulatedGPU):
+    """The simulated H200, costing a graph only by running it (as a real GPU)."""
+
+    costs_graphs = False
+
+    def __init__(self, default_clock_only: bool = False) -> None:
+        super().__init__("sim:h200")
+        self.default_clock_only = default_clock_only
+
+    def estimate_at(self, gm, clocks, world_size=1):
+        return None
+
+    def search_clocks(self):
+        clocks = super().search_clocks()
+        return clocks[:1] if self.default_clock_only else clocks
+
+    @property
+    def clock_limitation(self):
+        return "no permission to lock clocks (a test)" if self.default_clock_only else None
+
+
+def _train(device, options, steps=2):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = parallelize_llama(Llama(CONFIG), init_device_mesh("cpu", (2,)))
+    backend = kareus.KareusBackend(
+        {"lowering": "eager", "search_budget": 4, "nanobatches": "auto", **options},
+        device=device,
+    )
+    compiled = torch.compile(model, backend=backend)
+    tokens = torch.randint(0, CONFIG.vocab_size, (8, 128),
+                           generator=torch.Generator().manual_seed(1))
+    recorder = kareus.RecordingClockController()
+    losses = []
+    with kareus.use_controller(recorder):
+        for _ in range(steps):
+            loss = compiled(tokens).float().logsumexp(-1).mean()
+            loss.backward()
+            losses.append(loss.item())
+    return backend, [(s.graph, s.mhz) for s in recorder.switches], losses
+
+
+@pytest.fixture
+def measured(monkeypatch):
+    calls = []
+    original = measure.measure_variant
+
+    def counting(device, workload, clock_mhz, **kwargs):
+        calls.append(workload.name)
+        return original(device, workload, clock_mhz, **kwargs)
+
+    monkeypatch.setattr("kareus.profiler.graph_cost.measure_variant", counting)
+    return calls
+
+
+def test_a_time_budget_is_planned_from_first_call_measurements_and_met(fake_pg, tmp_path,
+                                                                      measured):
+    options = {"time_budget": "1.4 ms", "cache_dir": str(tmp_path)}
+    backend, switches, _ = _train(MeasuredOnly(), options, steps=3)
+    plan = backend.planner.plan
+    assert plan is not None and plan.predicted.time_s <= 1.4e-3
+    assert plan.predicted.energy_j < plan.baseline.energy_j
+    clocks = {g.label: g.choice.clock_mhz for g in plan.graphs}
+    forward, backward = (g.label for g in plan.graphs)
+    assert forward.endswith("forward") and all(clocks.values())
+    # the first forward ran at the options' choice (default clocks), every call after it
+    # switched to the plan's clock
+    assert switches[0] == (forward, 0)
+    order = [backward] + [forward, backward] * 2
+    assert switches[1:] == [(label, clocks[label]) for label in order]
+    assert measured  # whole graphs were measured
+    # the plan is the one the model plans when it costs the graphs itself
+    model, _, _ = _train(SimulatedGPU("sim:h200"), {**options, "cache_dir": str(tmp_path / "m")},
+                         steps=1)
+    assert model.planner.plan.predicted == plan.predicted
+    reports = {r.label: r for r in backend.reports()}
+    for report in reports.values():
+        assert report.profile_gpu_s > 0
+        assert any("whole graph measured at its first call" in n for n in report.notes)
+        assert not any("cannot cost a whole graph" in n for n in report.notes)
+    # the next run measures nothing: every whole graph (and partition) is in the store
+    measured.clear()
+    again, _, _ = _train(MeasuredOnly(), options, steps=2)
+    assert measured == [] and again.spend.total_s == 0
+    assert again.planner.plan.predicted == plan.predicted
+
+
+def test_a_spent_profiling_budget_stops_measuring_and_the_graphs_run_unplanned(
+        fake_pg, tmp_path, measured):
+    options = {"cache_dir": str(tmp_path), "profile_budget_s": 20}
+    backend, switches, losses = _train(MeasuredOnly(), options)
+    assert backend.planner.plan is None  # nothing planned
+    assert 20 <= backend.spend.total_s < 25 and not measured
+    notes = [n for r in backend.reports() for n in r.notes]
+    assert any("not planned: measuring the whole graph failed: ProfileBudgetSpent: the "
+               "profiling budget of 20 GPU-s is spent" in n for n in notes)
+    assert {mhz for _, mhz in switches} == {0}
+    _, _, expected = _train(SimulatedGPU("sim:h200"), {"profile": "off", "nanobatches": 1})
+    assert losses == pytest.approx(expected)
+
+
+def test_a_budget_that_needs_clocks_names_what_keeps_them_fixed(fake_pg, tmp_path):
+    with pytest.raises(BudgetError, match=r"no plan meets the energy budget .*; no permission "
+                                          r"to lock clocks \(a test\)"):
+        _train(MeasuredOnly(default_clock_only=True),
+               {"energy_budget": 0.5, "cache_dir": str(tmp_path)}, steps=1)
