@@ -43,8 +43,8 @@ def test_custom_gpu_file_is_a_device(tmp_path):
                 "unknown kareus option 'lowerin'; "
                 "accepted options: agreement_timeout_s, cache_dir, device, energy_budget, "
                 "energy_time_tradeoff, explain, lowering, microbatches, nanobatches, "
-                "pipeline_schedule, plan, profile, search, search_budget, seed, time_budget, "
-                "verify"
+                "pipeline_schedule, plan, profile, profile_budget_s, search, search_budget, seed, "
+                "time_budget, verify"
             ),
         ),
         (
@@ -61,6 +61,8 @@ def test_custom_gpu_file_is_a_device(tmp_path):
             "kareus option 'profile': got 'on' (str); accepted: 'auto' | 'off' | 'refresh'",
         ),
         ({"search_budget": 0}, "kareus option 'search_budget': got 0 (int); must be >= 1"),
+        ({"profile_budget_s": 0}, ("kareus option 'profile_budget_s': got 0 (int); must be "
+                                  "finite and > 0")),
         (
             {"search": "random"},
             "kareus option 'search': got 'random' (str); accepted: 'bayesian' | 'grid'",
