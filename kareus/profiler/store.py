@@ -160,7 +160,9 @@ class ProfileKey:
     """
 
     partition_key: str
-    """The partition's structural hash (``PartitionReport.key``)."""
+    """The partition's structural hash (``PartitionReport.key``), or for a whole graph's
+    variant ``graph <graph hash> k<count> <partition choices>`` (``profiler.graph_cost``:
+    its knobs then hold only the clock and the count)."""
     device: str
     """The device's identity: NVML name and UUID, or the simulated GPU's spec name."""
     model_version: str | None
