@@ -1,0 +1,382 @@
+"""What kareus's profiling costs on a real GPU, counted from the measurements it takes.
+
+A real GPU costs nothing analytically, so kareus measures two things on it, through the
+profile store (graphs and partitions with the same structural hash, e.g. the identical
+blocks of a model, are measured once):
+
+- partitions: each distinct partition of a graph whose collective can launch at more than
+  one slot, searched per nanobatch count k of the graph's space (``profile.profile_graph``:
+  a Bayesian search of at most ``search_budget`` evaluations);
+- whole graphs, at their first call (``planner.measured``, ``graph_cost.GraphMeasurer``):
+  every variant the planner's frontier asks for (``planner.graph.graph_frontier``: the
+  unrewritten graph, each k's default variant, each candidate of the composed frontier),
+  at every other search clock and the last (``graph_cost.measured_clocks``).
+
+Each measurement costs ``Protocol().seconds_per_evaluation(run_s)`` GPU-seconds under
+the NVML device's defaults (0.1 s settle, then 3 repeats of a warm-up run and a window of
+at least 0.55 s); ``measure_variant`` charges exactly that to ``GpuTime`` for a simulated,
+deterministic device, with the simulated GPU's time of the variant as ``run_s``.
+
+How: the workload's graphs are traced as ``kareus plan`` traces them (``offline.trace``:
+per block, one rank, fake tensors under a fake process group of ``tp`` ranks), compiled
+with the kareus backend (``nanobatches="auto"``, the default Bayesian search) on the
+simulated GPU made to cost a graph only by measuring it, as a real GPU must
+(``MeasuringGPU``), so the backend plans every graph at its first call. That first call
+cannot run inside the trace: it materialises variants of a graph whose tensors belong to
+Dynamo's fake mode while the model's own fake mode is active, which torch refuses
+("fake mode ... doesn't match mode"). So the backend's first-call planners are kept
+(``FirstCallPlanning`` replaced for the trace by a subclass that records itself) and
+called after it, in the same order and under the same process group, as a first call
+calls them, but on no inputs: the simulated GPU costs a variant from its graph and never
+runs it. A graph whose measuring fails there fails as on a real GPU (it is not planned;
+its report says why).
+
+Every measurement the device takes is logged; the counts and GPU-seconds here are the
+log's, checked against kareus's own (each profile's ``measured`` and ``gpu_s``,
+``GpuTime.by_graph``: tests/test_profiling_cost.py). Per rank is per node: under TP the
+node's ranks measure every variant together. Not counted: compiling each variant
+(Inductor, on a real GPU), the search's proposals on the host (the seconds this script
+spends tracing are an upper bound for them), repeats past 3 where a real GPU's readings
+spread by more than 5%.
+
+    python benchmarks/profiling_cost.py --model llama3.1-8b --tp 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import torch.distributed as dist
+from rich.console import Console
+from rich.table import Table
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import kareus
+from kareus.devices import SimulatedGPU
+from kareus.devices.base import Measurement, Workload
+from kareus.offline.trace import compile_microbatch
+from kareus.offline.workload import Workload as Training
+from kareus.passes.decide import Choice
+from kareus.planner.measured import FirstCallPlanning
+from kareus.profiler.graph_cost import measured_clocks
+from kareus.profiler.measure import Protocol
+from kareus.reports import GraphReport
+from kareus.version import __version__
+
+DEVICE = "sim:h200"
+TARGET_GPU_MINUTES_PER_NODE = 15.0
+# The workload ``kareus bench`` plans Llama 3.1 8B at (offline.suite.MATRIX): 8 x 4096 tokens
+# per microbatch, no pipeline, no recomputation; only one microbatch's graphs are measured.
+MICROBATCH_SIZE, SEQ = 8, 4096
+
+
+@dataclass(frozen=True)
+class Logged:
+    """One measurement the device took: the workload's name, its clock, its time."""
+
+    name: str
+    clock_mhz: int
+    run_s: float
+
+
+class MeasuringGPU(SimulatedGPU):
+    """A simulated GPU used as a real one is: it costs a graph only by measuring it (so
+    the backend measures whole graphs at their first call), and logs every measurement."""
+
+    costs_graphs = False
+
+    def __init__(self, spec: str = DEVICE) -> None:
+        super().__init__(spec)
+        self.log: list[Logged] = []
+
+    def estimate(self, gm, world_size=1):
+        return None
+
+    def estimate_at(self, gm, clocks, world_size=1):
+        return None
+
+    def measure(self, workload: Workload, clock_mhz: int, *, resources=None) -> Measurement:
+        m = super().measure(workload, clock_mhz, resources=resources)
+        self.log.append(Logged(workload.name, clock_mhz, m.time_s))
+        return m
+
+
+def _recording(into: list[FirstCallPlanning]) -> type[FirstCallPlanning]:
+    """A ``FirstCallPlanning`` whose call only records it, to be replayed after the trace."""
+
+    class Deferred(FirstCallPlanning):
+        def __call__(self, args: Sequence[Any]) -> None:
+            into.append(self)
+
+    return Deferred
+
+
+@dataclass
+class GraphCount:
+    """One distinct graph's measurements: partitions per k and whole-graph variants."""
+
+    label: str
+    role: str  # "embed/forward", "block/backward", ... (``offline.trace``'s labels)
+    graph_hash: str
+    kind: str
+    partitions: list[dict[str, Any]] = field(default_factory=list)
+    whole: dict[str, Any] = field(default_factory=dict)
+
+    def partition_run_s(self) -> list[float]:
+        return [r for p in self.partitions for r in p["run_s"]]
+
+    def to_json(self, protocol: Protocol) -> dict[str, Any]:
+        per_k: dict[str, dict[str, float]] = {}
+        for p in self.partitions:
+            k = per_k.setdefault(str(p["k"]), {"distinct": 0, "evaluations": 0,
+                                               "measured": 0, "gpu_s": 0.0})
+            k["distinct"] += 1
+            k["evaluations"] += p["evaluations"]
+            k["measured"] += p["measured"]
+            k["gpu_s"] += _gpu_s(p["run_s"], protocol)
+        partition_s = _gpu_s(self.partition_run_s(), protocol)
+        whole_s = _gpu_s(self.whole.get("run_s", []), protocol)
+        return {
+            "label": self.label, "role": self.role, "graph_hash": self.graph_hash,
+            "kind": self.kind,
+            "partitions_by_k": per_k, "partitions": self.partitions,
+            "partition_measurements": len(self.partition_run_s()),
+            "whole_graph": self.whole,
+            "whole_graph_measurements": len(self.whole.get("run_s", [])),
+            "partition_gpu_s": partition_s, "whole_graph_gpu_s": whole_s,
+            "gpu_s": partition_s + whole_s,
+        }
+
+
+def _gpu_s(run_s: Sequence[float], protocol: Protocol) -> float:
+    return sum(protocol.seconds_per_evaluation(r) for r in run_s)
+
+
+def count(
+    workload: Training, device: str = DEVICE, *, search_budget: int = 32, seed: int = 0,
+    cache_dir: str | Path | None = None,
+) -> dict[str, Any]:
+    """Profile ``workload``'s distinct graphs on ``device`` as a real GPU would be profiled
+    (the module docstring says how), and count what it measured and what that costs."""
+    gpu = MeasuringGPU(device)
+    store = Path(cache_dir) if cache_dir else Path(tempfile.mkdtemp(prefix="kareus-cost-"))
+    backend = kareus.KareusBackend({
+        "nanobatches": "auto", "lowering": "eager", "cache_dir": str(store),
+        "search": "bayesian", "search_budget": search_budget, "seed": seed,
+    }, device=gpu)
+    deferred: list[FirstCallPlanning] = []
+    started = time.perf_counter()
+    with _fake_group(workload.tp):
+        with mock.patch("kareus.backend.FirstCallPlanning", _recording(deferred)):
+            compile_microbatch(workload, backend)
+        traced_s = time.perf_counter() - started
+        reports = backend.reports()
+        graphs = _partition_counts(reports, gpu.log)
+        for first in deferred:
+            _whole_graph(first, gpu, graphs[first.analysis.label])
+    protocol = backend.protocol
+    rows = [g.to_json(protocol) for g in graphs.values()]
+    return {
+        "model": workload.name, "tp": workload.tp, "microbatch_size": workload.microbatch_size,
+        "seq": workload.seq, "device": gpu.identity, "model_version": gpu.model_version,
+        "kareus_version": __version__, "search": "bayesian", "search_budget": search_budget,
+        "seed": seed, "protocol": dataclasses.asdict(protocol),
+        "search_clocks": list(gpu.search_clocks()),
+        "whole_graph_clocks": list(measured_clocks(gpu.search_clocks())),
+        "layers": workload.model.n_layers,
+        "graphs": rows,
+        "totals": _totals(rows, len(gpu.log), protocol, workload.tp),
+        "kareus_gpu_s": dict(backend.spend.by_graph),  # GpuTime's own, to check against
+        "host_seconds": {"trace_and_partition_search": traced_s,
+                         "total": time.perf_counter() - started},
+    }
+
+
+def _totals(rows: list[dict[str, Any]], measurements: int, protocol: Protocol,
+            tp: int) -> dict[str, float]:
+    """Per rank (the node's ranks measure together: its wall time) and per node."""
+    per_rank = sum(r["gpu_s"] for r in rows)
+    floor_s = protocol.seconds_per_evaluation(0.0)
+    return {
+        "partition_evaluations": sum(r["partition_measurements"] for r in rows),
+        "whole_graph_measurements": sum(r["whole_graph_measurements"] for r in rows),
+        "measurements": measurements,
+        "gpu_s_per_rank": per_rank,
+        "node_wall_minutes": per_rank / 60,
+        "gpu_minutes_per_node": per_rank * tp / 60,
+        "target_gpu_minutes_per_node": TARGET_GPU_MINUTES_PER_NODE,
+        # What a measurement costs before its variant runs at all: the settle and the
+        # repeats' minimum windows (the variants here run for milliseconds).
+        "floor_s_per_measurement": floor_s,
+        "floor_share": measurements * floor_s / per_rank if per_rank else 0.0,
+        # Graphs whose whole-graph measurement failed (not planned): what measuring them
+        # unrewritten would add, not in the totals above.
+        "not_measured_gpu_s": sum(_gpu_s(r["whole_graph"].get("unrewritten_if_measured_s", []),
+                                         protocol) for r in rows),
+    }
+
+
+def _partition_counts(reports: Sequence[GraphReport], log: list[Logged]) -> dict[str, GraphCount]:
+    """Each compiled graph's partition searches, with the run times of the measurements
+    each took: the log's partition entries in the order the searches ran (graphs in
+    compile order, each graph's searches in its profiles' order), each checked to be of
+    its partition and count."""
+    entries = iter([e for e in log if e.name.startswith("partition ")])
+    roles = _roles(reports)
+    graphs = {}
+    for report in reports:
+        g = graphs[report.label] = GraphCount(report.label, roles[report.label], report.key,
+                                              report.kind)
+        for p in report.profiles:
+            taken = [next(entries, Logged("none", 0, 0.0)) for _ in range(p.measured)]
+            wrong = [e.name for e in taken if f"({p.key})" not in e.name
+                     or f" k={p.nanobatches} " not in e.name]
+            if wrong:
+                raise RuntimeError(f"{report.label}: measurements out of order: {wrong[:2]}")
+            g.partitions.append({
+                "key": p.key, "k": p.nanobatches, "collective": p.collective,
+                "used_by": len(p.partitions), "space_size": p.space_size,
+                "evaluations": p.evaluations, "measured": p.measured, "stopped": p.stopped,
+                "error": p.error, "kareus_gpu_s": p.gpu_s,
+                "run_s": [e.run_s for e in taken],
+            })
+    if next(entries, None) is not None:
+        raise RuntimeError("partition measurements that no profile took")
+    return graphs
+
+
+def _roles(reports: Sequence[GraphReport]) -> dict[str, str]:
+    """Each graph's label as ``kareus plan`` names it: the trace compiles the embedding,
+    one block (every layer's) and the tail, in that order, each a region of its own."""
+    regions = sorted({r.label.split("/")[0] for r in reports}, key=lambda r: int(r[1:]))
+    if len(regions) != 3:
+        raise RuntimeError(f"the trace compiled regions {regions}, not embed, block, tail")
+    role = dict(zip(regions, ("embed", "block", "tail"), strict=True))
+    return {r.label: f"{role[r.label.split('/')[0]]}/{r.kind}" for r in reports}
+
+
+def _whole_graph(first: FirstCallPlanning, gpu: MeasuringGPU, into: GraphCount) -> None:
+    """``first`` called as the graph's first call calls it, on no inputs (the simulated
+    GPU costs a variant from its graph, never runs it); the log's entries it added, by
+    variant. Where it failed (the graph is then not planned, and its report says why),
+    what measuring the unrewritten graph would have taken."""
+    start = len(gpu.log)
+    FirstCallPlanning.__call__(first, ())
+    taken = gpu.log[start:]
+    label = first.analysis.label
+    (report,) = (r for r in first.reports.all() if r.label == label)
+    failed = [n for n in report.notes if "measuring the whole graph failed" in n]
+    if failed:
+        into.whole = {"error": failed[0], "run_s": [e.run_s for e in taken],
+                      "unrewritten_if_measured_s": _unrewritten_s(first, gpu)}
+        return
+    space = first.analysis.space
+    defaults = {f"k={k} {list(Choice.of(space.default(k)).partitions)}"
+                for k in space.nanobatches if k > 1}
+    kinds = {"unrewritten": 0, "default": 0, "candidate": 0}
+    for variant in {e.name.removeprefix(f"{label} ") for e in taken}:
+        kinds["unrewritten" if variant.startswith("k=1 ") else
+              "default" if variant in defaults else "candidate"] += 1
+    into.whole = {"variants": kinds, "measured": len(taken), "run_s": [e.run_s for e in taken]}
+
+
+def _unrewritten_s(first: FirstCallPlanning, gpu: MeasuringGPU) -> list[float]:
+    """The run times a graph whose measuring failed would have been measured with at the
+    least: unrewritten, at the whole-graph clocks (not logged: nothing measured them)."""
+    _, graph = first.builder.graph(Choice(), clocked=False)
+    clocks = measured_clocks(gpu.search_clocks())
+    swept = SimulatedGPU.sweep(gpu, Workload("unrewritten", gm=graph,
+                                             world_size=first.world_size), clocks)
+    return [m.time_s for m in swept.values()]
+
+
+class _fake_group:
+    """A fake default process group of ``tp`` ranks for the trace and the replay."""
+
+    def __init__(self, tp: int) -> None:
+        self.tp = tp
+
+    def __enter__(self) -> None:
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=self.tp)
+
+    def __exit__(self, *exc: object) -> None:
+        dist.destroy_process_group()
+
+
+def table(result: dict[str, Any]) -> Table:
+    t = result["totals"]
+    out = Table(title=(
+        f"profiling cost: {result['model']} TP{result['tp']}, {result['microbatch_size']} x "
+        f"{result['seq']} tokens, {result['device']}, bayesian budget "
+        f"{result['search_budget']}; GPU-s per rank"), title_justify="left")
+    for column in ("graph", "runs/step", "partition evals (k: distinct, evals)",
+                   "whole-graph variants", "whole-graph meas.", "partition GPU-s",
+                   "whole-graph GPU-s", "GPU-s"):
+        out.add_column(column, justify="left" if column == "graph" else "right")
+    for g in result["graphs"]:
+        by_k = ", ".join(f"k={k}: {v['distinct']}, {v['measured']}"
+                         for k, v in g["partitions_by_k"].items()) or "-"
+        whole = g["whole_graph"]
+        variants = "failed" if "error" in whole else " + ".join(
+            str(whole["variants"][k]) for k in ("unrewritten", "default", "candidate"))
+        runs = result["layers"] if g["role"].startswith("block/") else 1
+        out.add_row(f"{g['role']} ({g['label']})", f"x{runs}",
+                    f"{g['partition_measurements']} ({by_k})", variants,
+                    str(g["whole_graph_measurements"]), f"{g['partition_gpu_s']:.0f}",
+                    f"{g['whole_graph_gpu_s']:.0f}", f"{g['gpu_s']:.0f}")
+    out.add_section()
+    partition_s = sum(g["partition_gpu_s"] for g in result["graphs"])
+    out.add_row("total (distinct graphs)", "", str(t["partition_evaluations"]), "",
+                str(t["whole_graph_measurements"]), f"{partition_s:.0f}",
+                f"{t['gpu_s_per_rank'] - partition_s:.0f}", f"{t['gpu_s_per_rank']:.0f}")
+    failed = [f"{g['role']}: {g['whole_graph']['error']}" for g in result["graphs"]
+              if "error" in g["whole_graph"]]
+    out.caption = "\n".join([
+        (f"{t['gpu_s_per_rank']:.0f} GPU-s per rank = {t['node_wall_minutes']:.1f} min of node "
+         f"time; {t['gpu_minutes_per_node']:.1f} GPU-minutes per node of {result['tp']} GPUs "
+         f"(target <= {t['target_gpu_minutes_per_node']:g})."),
+        ("Whole-graph variants: unrewritten + each k's default (at "
+         f"{len(result['whole_graph_clocks'])} of {len(result['search_clocks'])} clocks) + "
+         "composed candidates (at the measured clocks around theirs)."),
+        *(f"Whole graph of {f}" for f in failed),
+    ])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama3.1-8b", help="a preset or a config.json")
+    parser.add_argument("--tp", type=int, default=8)
+    parser.add_argument("--microbatch-size", type=int, default=MICROBATCH_SIZE)
+    parser.add_argument("--seq", type=int, default=SEQ)
+    parser.add_argument("--device", default=DEVICE)
+    parser.add_argument("--search-budget", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cache-dir", type=Path, default=None,
+                        help="the profile store's directory (default: a fresh one)")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/profiling_cost.json"))
+    args = parser.parse_args(argv)
+    workload = Training.of(args.model, tp=args.tp, microbatch_size=args.microbatch_size,
+                           seq=args.seq)
+    console = Console(width=140)
+    result = count(workload, args.device, search_budget=args.search_budget, seed=args.seed,
+                   cache_dir=args.cache_dir)
+    console.print(table(result))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    console.print(f"wrote {args.out}", markup=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

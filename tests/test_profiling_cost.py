@@ -1,0 +1,42 @@
+"""benchmarks/profiling_cost.py on a tiny model: every measurement the device took is
+counted once, per graph, and its GPU-seconds are the protocol's for its run time, as
+kareus's own GpuTime charged them."""
+
+from __future__ import annotations
+
+import json
+
+import profiling_cost as pc  # benchmarks/ is on the path (conftest)
+import pytest
+
+from kareus.models.llama import LlamaConfig
+from kareus.offline.workload import Workload
+from kareus.profiler.measure import Protocol
+
+MODEL = LlamaConfig(dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128, n_layers=3, max_seq_len=64)
+TINY = Workload(MODEL, "tiny", tp=2, microbatch_size=2, seq=16)
+
+
+def test_the_counted_measurements_add_up_to_what_kareus_charged(tmp_path):
+    result = pc.count(TINY, search_budget=3, cache_dir=tmp_path)
+    json.loads(json.dumps(result))
+    graphs, totals, seconds = result["graphs"], result["totals"], Protocol().seconds_per_evaluation
+    assert sorted(g["role"] for g in graphs) == sorted(
+        f"{piece}/{kind}" for piece in ("embed", "block", "tail")
+        for kind in ("forward", "backward"))
+    for g in graphs:
+        for p in g["partitions"]:
+            assert len(p["run_s"]) == p["measured"] <= p["evaluations"] <= 3
+            assert sum(map(seconds, p["run_s"])) == pytest.approx(p["kareus_gpu_s"])
+        whole = g["whole_graph"]
+        if "error" not in whole:
+            assert len(whole["run_s"]) == whole["measured"] > 0
+            assert whole["variants"]["unrewritten"] == 1
+        run_s = [*(r for p in g["partitions"] for r in p["run_s"]), *whole["run_s"]]
+        assert g["gpu_s"] == pytest.approx(sum(map(seconds, run_s)))
+        assert g["gpu_s"] == pytest.approx(result["kareus_gpu_s"].get(g["label"], 0.0))
+    assert totals["partition_evaluations"] > 0 and totals["whole_graph_measurements"] > 0
+    assert totals["measurements"] == (totals["partition_evaluations"]
+                                      + totals["whole_graph_measurements"])
+    assert totals["gpu_s_per_rank"] == pytest.approx(sum(result["kareus_gpu_s"].values()))
+    assert totals["gpu_minutes_per_node"] == pytest.approx(totals["gpu_s_per_rank"] * 2 / 60)
