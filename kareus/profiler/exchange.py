@@ -112,7 +112,11 @@ class Team:
     ) -> Team:
         """The team of every rank of the process groups ``group_names`` (a whole graph's
         collectives: it runs only where all of them run it); alone where each group is a
-        fake or one-rank group."""
+        fake or one-rank group, or where there is none (a graph without collectives runs on
+        each rank alone)."""
+        if not group_names:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            return cls((rank,), rank, 1, prefix, timeout_s, stop=stop, decode=decode)
         if len(group_names) == 1 or not dist.is_initialized():
             return cls.of_group(group_names[0], prefix, timeout_s, stop, decode)
         teams = [cls.of_group(name, prefix, timeout_s, stop, decode) for name in group_names]

@@ -160,3 +160,10 @@ def test_ranks_measuring_together_agree_on_every_count():
     outcome = run_group([0, 1, 2], dist.HashStore(), agreed=agreed, budget=4)
     assert not any(isinstance(o, Exception) for o in outcome.values())
     assert agreed[0] == agreed[1] == agreed[2] == [(3, 0)] * 4
+
+
+def test_a_graph_without_collectives_or_on_fake_groups_is_measured_alone(fake_pg):
+    alone = Team.of_groups([], "g", 1.0)
+    assert (alone.ranks, alone.group_size, alone.alone) == ((0,), 1, True)
+    world = Team.of_groups([dist.group.WORLD.group_name] * 2, "g", 1.0)
+    assert world.alone and world.group_size == 2  # the fake group's process stands for both
