@@ -201,6 +201,22 @@ class EnergyUnavailableError(DeviceError):
         )
 
 
+class EnergyCounterStalledError(DeviceError):
+    """NVML's total-energy counter did not advance over a window of runs lengthened to
+    its bound, so the window's energy would read as zero."""
+
+    def __init__(self, gpu: str, window_s: float, runs: int, min_window_s: float) -> None:
+        super().__init__(
+            f"NVML's total-energy counter of {gpu} did not advance during a {window_s:.2f} s "
+            f"window ({runs} runs of the workload), so its energy cannot be measured: the "
+            "counter normally updates every 20-100 ms. Give it longer windows (a larger "
+            f"min_window_s=, now {min_window_s:g} s) if it updates more rarely on this GPU; "
+            "a counter that never advances is a driver problem: check that the NVIDIA "
+            "driver is loaded and current (some vGPU and container setups freeze the "
+            "counter), or measure elsewhere."
+        )
+
+
 class UnsupportedMeasurementError(DeviceError, NotImplementedError):
     """The device cannot apply a knob setting the caller asked for: it lacks the knob, or
     the value is outside what the device (or the workload) offers."""
