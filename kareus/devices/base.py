@@ -181,6 +181,13 @@ class Device(abc.ABC):
         return None
 
     @property
+    def clock_limitation(self) -> str | None:
+        """Why this device cannot set the clocks it supports, in one sentence that says how
+        to allow it; its :meth:`search_clocks` is then the default clock alone, so a plan
+        changes overlap only. None: clocks can be set (or are modelled)."""
+        return None
+
+    @property
     def clock_switch_s(self) -> float:
         """How long the GPU stalls when its clock changes (a plan pays it per switch)."""
         return 0.0

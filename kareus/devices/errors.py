@@ -41,16 +41,29 @@ class NvmlUnavailableError(DeviceError):
         )
 
 
+CLOCK_PERMISSION_HINT = (
+    "locking GPU clocks needs root or the CAP_SYS_ADMIN capability: run the job as root (or "
+    "grant CAP_SYS_ADMIN to the container), or route clock changes through a privileged "
+    f"daemon such as Zeus's zeusd, {DRY_RUN_HINT}"
+)
+
+
 class ClockPermissionError(DeviceError):
     """Locking clocks needs privileges this process does not have (NVML_ERROR_NO_PERMISSION)."""
 
     def __init__(self, gpu: str) -> None:
         super().__init__(
             f"No permission to change the SM clock of {gpu} (NVML_ERROR_NO_PERMISSION). "
-            "Locking GPU clocks needs root or the CAP_SYS_ADMIN capability: run the job as "
-            "root (or grant CAP_SYS_ADMIN to the container), or route clock changes through a "
-            f"privileged daemon such as Zeus's zeusd, {DRY_RUN_HINT}."
+            f"{CLOCK_PERMISSION_HINT[0].upper()}{CLOCK_PERMISSION_HINT[1:]}."
         )
+
+
+def no_clock_permission(gpu: str) -> str:
+    """``Device.clock_limitation`` of a GPU whose clocks this process may not lock."""
+    return (
+        f"no permission to lock the SM clock of {gpu} (NVML_ERROR_NO_PERMISSION): planned "
+        f"at the default clock only; {CLOCK_PERMISSION_HINT}."
+    )
 
 
 class ClockControlUnsupportedError(DeviceError):
