@@ -6,11 +6,19 @@ time on an injectable clock, power readings, supported memory/graphics clocks, M
 locked-clock state, permission to set clocks, and counters that raise NOT_SUPPORTED. Every
 call is logged; with ``state_file`` the locked clocks and the call log are written to a
 JSON file after each setter, so a test can inspect a subprocess after it died.
+
+Power is ``FakeGpu.power_w``, constant, unless the GPU has a ``FakePowerModel``: then it
+depends on the SM clock (the locked one, else the maximum) and on how busy this process's
+CPU was since the last energy update, so a CPU-only test that runs real work sees energy
+that follows the locked clock and whether work ran. ``FakeGpu.counter_period_s`` makes the
+counter update only at period boundaries, as real counters do every 20-100 ms, and
+``FakeGpu.counter_stalled`` freezes it.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 import time
@@ -89,6 +97,50 @@ def a100_clocks() -> tuple[int, ...]:
     return tuple(range(1410, 209, -15))
 
 
+@dataclass(frozen=True)
+class FakePowerModel:
+    """Board power from the SM clock and the activity (0: idle, 1: busy throughout):
+
+        P = idle + (min(P_active(f), tdp) - idle) * activity
+        P_active(f) = static + C * f[MHz] * V(f)^2
+
+    the simulated GPU's switching-power model (``devices.sim.presets.GPUSpec``: C is
+    ``sm_power_coeff``, V is ``voltage``), held under the power limit without modelling
+    the throttling. Activity is this process's CPU time over the fake clock's wall time
+    between two energy updates, clamped to [0, 1]; ``cpu_time`` is injectable so a test on
+    a ``FakeClock`` can say how busy it was.
+    """
+
+    idle_w: float
+    static_w: float
+    tdp_w: float
+    sm_power_coeff: float
+    voltage: Callable[[float], float]
+    cpu_time: Callable[[], float] = time.process_time
+
+    @classmethod
+    def of(cls, spec: object = None, **kwargs: object) -> FakePowerModel:
+        """The model of a simulated GPU's spec (default A100 SXM4 40GB, as ``FakeGpu``:
+        45 W idle, 85 W static, 400 W limit, 528 W unlimited at 1410 MHz, 244 W at 900)."""
+        if spec is None:
+            from kareus.devices.sim.presets import A100_SXM4_40GB as spec
+        return cls(
+            idle_w=spec.idle_power_w,
+            static_w=spec.static_power_w,
+            tdp_w=spec.tdp_w,
+            sm_power_coeff=spec.sm_power_coeff,
+            voltage=spec.voltage,
+            **kwargs,
+        )
+
+    def active_w(self, mhz: float) -> float:
+        """Power busy throughout at ``mhz``, under the power limit."""
+        return min(self.static_w + self.sm_power_coeff * mhz * self.voltage(mhz) ** 2, self.tdp_w)
+
+    def power_w(self, mhz: float, activity: float) -> float:
+        return self.idle_w + (self.active_w(mhz) - self.idle_w) * min(max(activity, 0.0), 1.0)
+
+
 @dataclass
 class FakeGpu:
     name: str = "NVIDIA A100-SXM4-40GB"
@@ -104,8 +156,26 @@ class FakeGpu:
     mig: bool | None = False
     """MIG enabled; None: the GPU has no MIG (GetMigMode raises NOT_SUPPORTED)."""
     locked: tuple[int, int] | None = None
+    power_model: FakePowerModel | None = None
+    """None: power is ``power_w`` whatever the clock and load."""
+    counter_period_s: float = 0.0
+    """The energy counter's update period on the driver's clock: a read returns the energy
+    at the last multiple of it, so reads within one period agree. 0: continuous."""
+    counter_stalled: bool = False
+    """The energy counter never advances (reads keep returning the same value)."""
     energy_mj: float = 5.0e7
+    """Energy so far (mJ), continuous; reads return ``counter_mj``."""
+    counter_mj: float | None = None
+    """What the counter reads: ``energy_mj`` at the last update boundary."""
     last_update: float | None = None
+    last_cpu_s: float | None = None
+    last_power_w: float | None = None
+    """Average power since the previous update (power model only), what power reads give."""
+
+    @property
+    def sm_clock_mhz(self) -> int:
+        """The locked SM clock, else the maximum (where the default clocks boost)."""
+        return self.locked[0] if self.locked else max(self.graphics_clocks[self.memory_clock])
 
 
 @dataclass(frozen=True)
@@ -169,7 +239,7 @@ class FakeNvml:
         return [(c.name, *c.args) for c in self.calls if c.name in self.SETTERS]
 
     def set_power(self, gpu: int, watts: float) -> None:
-        """Change the power draw from now on (energy so far is kept)."""
+        """Change the constant power draw from now on (energy so far is kept)."""
         with self._lock:
             self._advance_energy(self.gpus[gpu])
             self.gpus[gpu].power_w = watts
@@ -211,7 +281,7 @@ class FakeNvml:
         self._check_init()
         if clock_type == self.NVML_CLOCK_MEM:
             return gpu.memory_clock
-        return gpu.locked[0] if gpu.locked else max(gpu.graphics_clocks[gpu.memory_clock])
+        return gpu.sm_clock_mhz
 
     def nvmlDeviceGetSupportedMemoryClocks(self, gpu: FakeGpu) -> list[int]:
         self._check_init()
@@ -230,14 +300,20 @@ class FakeNvml:
             raise self.NVMLError(self.NVML_ERROR_NOT_SUPPORTED)
         with self._lock:
             self._advance_energy(gpu)
-            return int(gpu.energy_mj)
+            assert gpu.counter_mj is not None
+            return int(gpu.counter_mj)
 
     def nvmlDeviceGetPowerUsage(self, gpu: FakeGpu) -> int:
         self._log("nvmlDeviceGetPowerUsage", gpu)
         self._check_init()
         if not gpu.power_readable:
             raise self.NVMLError(self.NVML_ERROR_NOT_SUPPORTED)
-        return round(gpu.power_w * 1000)
+        if gpu.power_model is None:
+            return round(gpu.power_w * 1000)
+        with self._lock:
+            self._advance_energy(gpu)
+            watts = gpu.last_power_w
+        return round(1000 * (watts if watts is not None else gpu.power_model.idle_w))
 
     def nvmlDeviceGetPowerManagementDefaultLimit(self, gpu: FakeGpu) -> int:
         self._check_init()
@@ -258,16 +334,14 @@ class FakeNvml:
         supported = gpu.graphics_clocks[gpu.memory_clock]
         if min_mhz not in supported or max_mhz not in supported:
             raise self.NVMLError(self.NVML_ERROR_INVALID_ARGUMENT)
-        gpu.locked = (min_mhz, max_mhz)
-        self._persist()
+        self._set_locked(gpu, (min_mhz, max_mhz))
 
     def nvmlDeviceResetGpuLockedClocks(self, gpu: FakeGpu) -> None:
         self._log("nvmlDeviceResetGpuLockedClocks", gpu)
         self._check_can_set(gpu)
         if self.reset_fails:
             raise self.NVMLError(self.NVML_ERROR_UNKNOWN)
-        gpu.locked = None
-        self._persist()
+        self._set_locked(gpu, None)
 
     # -- internals --------------------------------------------------------------------
 
@@ -282,11 +356,45 @@ class FakeNvml:
         if not self.can_set_clocks:
             raise self.NVMLError(self.NVML_ERROR_NO_PERMISSION)
 
+    def _set_locked(self, gpu: FakeGpu, locked: tuple[int, int] | None) -> None:
+        with self._lock:
+            if gpu.last_update is not None:  # energy so far at the old clock
+                self._advance_energy(gpu)
+            gpu.locked = locked
+        self._persist()
+
     def _advance_energy(self, gpu: FakeGpu) -> None:
+        """Integrate power since the last update; move the counter to the last boundary.
+
+        Power is constant between two updates, so the energy at a boundary inside the
+        interval is interpolated. The first update starts the counter where it is."""
         now = self.clock()
-        if gpu.last_update is not None:
-            gpu.energy_mj += gpu.power_w * (now - gpu.last_update) * 1000.0
-        gpu.last_update = now
+        cpu_s = gpu.power_model.cpu_time() if gpu.power_model is not None else None
+        start, start_mj = gpu.last_update, gpu.energy_mj
+        if start is not None and now > start:
+            watts = self._power_since(gpu, now - start, cpu_s)
+            gpu.energy_mj += watts * (now - start) * 1000.0
+            gpu.last_power_w = watts if gpu.power_model is not None else None
+            if not gpu.counter_stalled:
+                boundary = self._boundary(gpu, now)
+                if boundary > start:
+                    gpu.counter_mj = start_mj + watts * (boundary - start) * 1000.0
+        if gpu.counter_mj is None:
+            gpu.counter_mj = gpu.energy_mj
+        gpu.last_update, gpu.last_cpu_s = now, cpu_s
+
+    @staticmethod
+    def _power_since(gpu: FakeGpu, wall_s: float, cpu_s: float | None) -> float:
+        if gpu.power_model is None:
+            return gpu.power_w
+        busy_s = cpu_s - gpu.last_cpu_s if cpu_s is not None and gpu.last_cpu_s is not None else 0
+        return gpu.power_model.power_w(gpu.sm_clock_mhz, busy_s / wall_s)
+
+    @staticmethod
+    def _boundary(gpu: FakeGpu, now: float) -> float:
+        """The last counter update at or before ``now``."""
+        period = gpu.counter_period_s
+        return math.floor(now / period) * period if period > 0 else now
 
     def _log(self, name: str, *args: object) -> None:
         logged = tuple(self._index(a) if isinstance(a, FakeGpu) else a for a in args)

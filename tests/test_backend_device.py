@@ -3,7 +3,7 @@
 import pytest
 import torch
 from conftest import tp_llama
-from fake_pynvml import FakeNvml
+from fake_pynvml import LOCK, RESET, FakeNvml
 
 import kareus
 from kareus import KareusBackend
@@ -59,9 +59,10 @@ def test_nvml_device_drives_the_graphs_clock_switches(nvml_gpu, fresh_runtime):
     controller.flush()
     (report,) = backend.reports()
     assert report.clock_mhz == 1200 and report.estimate is None
-    # the graph's entry asked the GPU for its decided clock: one lock through NVML
-    assert [c[0] for c in fake.setter_calls()] == ["nvmlDeviceSetGpuLockedClocks"]
-    assert fake.setter_calls()[0][-2:] == (1200, 1200)
+    # the graph's entry asked the GPU for its decided clock: one lock through NVML (after
+    # the reset that probed, at open, whether this process may lock clocks)
+    assert [c[0] for c in fake.setter_calls()] == [RESET, LOCK]
+    assert fake.setter_calls()[1][-2:] == (1200, 1200)
     assert [(s.graph, s.mhz) for s in controller.switches] == [(report.label, 1200)]
 
 
@@ -74,4 +75,4 @@ def test_a_controller_installed_by_the_user_wins(nvml_gpu, fresh_runtime):
         assert fresh_runtime.clocks.current() is recorder
     assert [s.mhz for s in recorder.switches] == [1200]
     gpu.clock_controller().flush()
-    assert fake.setter_calls() == []
+    assert fake.setter_calls() == [(RESET, 0)]  # only the permission probe at open

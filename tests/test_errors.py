@@ -17,6 +17,7 @@ from kareus.codegen.lowering import UnknownLoweringError
 from kareus.devices.errors import (
     ClockSwitchIntervalError,
     ClosedClockControllerError,
+    EnergyCounterStalledError,
     UnmeasurableWorkloadError,
     UnsupportedCollectiveError,
     UntracedGraphError,
@@ -142,6 +143,7 @@ def test_every_exception_class_kareus_defines_is_a_kareus_error() -> None:
     ("error", "builtin"),
     [
         (ClosedClockControllerError, RuntimeError),
+        (EnergyCounterStalledError, RuntimeError),
         (UnmeasurableWorkloadError, ValueError),
         (UntracedGraphError, ValueError),
         (UnsupportedCollectiveError, ValueError),

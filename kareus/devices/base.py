@@ -186,8 +186,9 @@ class Device(abc.ABC):
 
     @property
     def clock_limitation(self) -> str | None:
-        """Why this device plans at fewer clocks than it supports, and how to lift it (a GPU
-        whose clocks this process may not set); None where it does not."""
+        """Why this device cannot set the clocks it supports, in one sentence that says how
+        to allow it; its :meth:`search_clocks` is then the default clock alone, so a plan
+        changes overlap only. None: clocks can be set (or are modelled)."""
         return None
 
     @property

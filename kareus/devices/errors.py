@@ -41,16 +41,29 @@ class NvmlUnavailableError(DeviceError):
         )
 
 
+CLOCK_PERMISSION_HINT = (
+    "locking GPU clocks needs root or the CAP_SYS_ADMIN capability: run the job as root (or "
+    "grant CAP_SYS_ADMIN to the container), or route clock changes through a privileged "
+    f"daemon such as Zeus's zeusd, {DRY_RUN_HINT}"
+)
+
+
 class ClockPermissionError(DeviceError):
     """Locking clocks needs privileges this process does not have (NVML_ERROR_NO_PERMISSION)."""
 
     def __init__(self, gpu: str) -> None:
         super().__init__(
             f"No permission to change the SM clock of {gpu} (NVML_ERROR_NO_PERMISSION). "
-            "Locking GPU clocks needs root or the CAP_SYS_ADMIN capability: run the job as "
-            "root (or grant CAP_SYS_ADMIN to the container), or route clock changes through a "
-            f"privileged daemon such as Zeus's zeusd, {DRY_RUN_HINT}."
+            f"{CLOCK_PERMISSION_HINT[0].upper()}{CLOCK_PERMISSION_HINT[1:]}."
         )
+
+
+def no_clock_permission(gpu: str) -> str:
+    """``Device.clock_limitation`` of a GPU whose clocks this process may not lock."""
+    return (
+        f"no permission to lock the SM clock of {gpu} (NVML_ERROR_NO_PERMISSION): planned "
+        f"at the default clock only; {CLOCK_PERMISSION_HINT}."
+    )
 
 
 class ClockControlUnsupportedError(DeviceError):
@@ -198,6 +211,22 @@ class EnergyUnavailableError(DeviceError):
         super().__init__(
             f"{gpu} reports neither total energy nor power through NVML ({cause}); energy "
             f"cannot be measured on it; {SIMULATED_ALTERNATIVE}."
+        )
+
+
+class EnergyCounterStalledError(DeviceError):
+    """NVML's total-energy counter did not advance over a window of runs lengthened to
+    its bound, so the window's energy would read as zero."""
+
+    def __init__(self, gpu: str, window_s: float, runs: int, min_window_s: float) -> None:
+        super().__init__(
+            f"NVML's total-energy counter of {gpu} did not advance during a {window_s:.2f} s "
+            f"window ({runs} runs of the workload), so its energy cannot be measured: the "
+            "counter normally updates every 20-100 ms. Give it longer windows (a larger "
+            f"min_window_s=, now {min_window_s:g} s) if it updates more rarely on this GPU; "
+            "a counter that never advances is a driver problem: check that the NVIDIA "
+            "driver is loaded and current (some vGPU and container setups freeze the "
+            "counter), or measure elsewhere."
         )
 
 

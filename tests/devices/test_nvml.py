@@ -4,10 +4,11 @@ test_nvml_energy.py and test_nvml_clock.py."""
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import pytest
-from fake_pynvml import FakeClock, FakeGpu, FakeNvml
+from fake_pynvml import LOCK, RESET, FakeClock, FakeGpu, FakeNvml
 
 from kareus.devices.base import Workload
 from kareus.devices.errors import (
@@ -17,6 +18,8 @@ from kareus.devices.errors import (
     NvmlUnavailableError,
 )
 from kareus.devices.nvml.gpu import NvmlGPU, default_search_clocks
+from kareus.devices.resolve import resolve_device
+from kareus.passes.ops import DEFAULT_CLOCK_MHZ
 
 H200_CLOCKS = tuple(range(1980, 344, -15))
 
@@ -151,3 +154,48 @@ def test_each_rank_measures_and_controls_its_own_gpu(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1,0,2")
     with device(FakeNvml(gpus)) as gpu:
         assert gpu.index == 0
+
+
+NO_PERMISSION_ADVICE = ("root", "CAP_SYS_ADMIN", "zeusd", 'device="nvml-dry-run"')
+
+
+def test_without_permission_only_the_default_clock_is_planned(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = FakeClock()
+    fake = FakeNvml(can_set_clocks=False, clock=clock)
+    with device(fake, timer=clock) as gpu:
+        assert gpu.search_clocks() == (1410,) and len(gpu.supported_clocks()) == 81
+        assert gpu.identity == "nvml:NVIDIA A100-SXM4-40GB"
+        limitation = gpu.clock_limitation
+        assert limitation is not None and limitation.startswith(
+            "no permission to lock the SM clock of GPU 0 (NVIDIA A100-SXM4-40GB) "
+            "(NVML_ERROR_NO_PERMISSION): planned at the default clock only; "
+        )
+        for advice in NO_PERMISSION_ADVICE:
+            assert advice in limitation
+        m = gpu.measure(timed_workload(clock, 0.01), DEFAULT_CLOCK_MHZ)
+        assert m.energy_j > 0 and m.details["clock_locked"] == 0.0
+        assert fake.setter_calls() == [(RESET, 0)]  # the probe at open, nothing since
+        with pytest.raises(ClockPermissionError):
+            gpu.measure(timed_workload(clock, 0.01), 1200)
+        gpu.measure(timed_workload(clock, 0.01), DEFAULT_CLOCK_MHZ)
+    assert fake.setter_calls() == [(RESET, 0), (LOCK, 0, 1200, 1200)]  # close made no call
+    assert fake.init_count == 0
+    warned = [r for r in caplog.records if r.getMessage() == limitation]
+    assert [(r.levelno, r.name) for r in warned] == [(logging.WARNING, "kareus")]
+
+
+def test_with_permission_the_probe_is_the_only_extra_setter_call() -> None:
+    clock = FakeClock()
+    fake = FakeNvml(clock=clock)
+    with device(fake, timer=clock) as gpu:
+        assert gpu.clock_limitation is None and len(gpu.search_clocks()) == 18
+        gpu.measure(timed_workload(clock, 0.01), DEFAULT_CLOCK_MHZ)  # known default: no call
+        assert fake.setter_calls() == [(RESET, 0)]
+        gpu.measure(timed_workload(clock, 0.01), 1200)
+    assert fake.setter_calls() == [(RESET, 0), (LOCK, 0, 1200, 1200), (RESET, 0)]
+
+
+def test_a_simulated_device_has_no_clock_limitation() -> None:
+    assert resolve_device("sim:h200").clock_limitation is None

@@ -214,7 +214,8 @@ def run_child(
         child.wait(timeout=20)
     final = FakeNvml.read_state(state)
     assert final["locked"] == [None], child.stderr.read()
-    assert final["setter_calls"] == [[LOCK, 0, 1200, 1200], [RESET, 0]]
+    probe = [[RESET, 0]] if runtime else []  # the device's permission probe at open
+    assert final["setter_calls"] == [*probe, [LOCK, 0, 1200, 1200], [RESET, 0]]
     return child.returncode
 
 
@@ -396,3 +397,41 @@ def test_a_controller_that_set_nothing_leaves_the_gpu_alone() -> None:
     ctl.reset()
     ctl.close()
     assert fake.setter_calls() == [] and fake.gpus[0].locked == (990, 990)
+
+
+def test_the_permission_probe_resets_once_and_then_default_requests_call_nothing() -> None:
+    fake, handle = opened(FakeNvml(can_set_clocks=False))
+    ctl = controller(fake, handle)
+    assert ctl.probe_permission() is False and ctl.applied_mhz == DEFAULT_CLOCK_MHZ
+    for _ in range(2):
+        ctl.set_clock("g", DEFAULT_CLOCK_MHZ)
+        ctl.flush()
+    ctl.reset()
+    ctl.close()
+    assert fake.setter_calls() == [(RESET, 0)]
+    fake, handle = opened()
+    with controller(fake, handle) as ctl:
+        assert ctl.probe_permission() is True
+        ctl.set_clock("g", DEFAULT_CLOCK_MHZ)
+        ctl.flush()
+    assert fake.setter_calls() == [(RESET, 0)] and ctl.switches == []
+
+
+def test_a_probe_failing_otherwise_leaves_the_clocks_unknown(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    fake, handle = opened(FakeNvml(reset_fails=True))
+    ctl = controller(fake, handle)
+    assert ctl.probe_permission() is True and ctl.applied_mhz is None
+    ctl.set_clock("g", DEFAULT_CLOCK_MHZ)  # sent to NVML, which fails as without a probe
+    with pytest.raises(ClockResetError):
+        ctl.flush()
+    ctl.close()
+    assert fake.setter_calls() == [(RESET, 0), (RESET, 0)]
+
+
+def test_a_dry_run_probes_nothing() -> None:
+    fake, handle = opened(FakeNvml(can_set_clocks=False))
+    with controller(fake, handle, dry_run=True) as ctl:
+        assert ctl.probe_permission() is True and ctl.applied_mhz is None
+    assert fake.setter_calls() == []

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 from fake_pynvml import FakeClock, FakeGpu, FakeNvml, opened
 
-from kareus.devices.errors import EnergyUnavailableError
+from kareus.devices.errors import EnergyCounterStalledError, EnergyUnavailableError
 from kareus.devices.nvml.energy import NvmlEnergyMeter, PowerSampler
 
 
@@ -95,3 +95,48 @@ def test_power_sampler_integrates_the_power_polled_between_the_window_ends() -> 
     # Trapezoids: 100 -> 300 and 300 -> 100 (200 J each), 300 W flat in between.
     assert between >= 1
     assert sampler.joules == pytest.approx(400.0 + 300.0 * (between - 1))
+
+
+def test_a_counter_slower_than_the_window_gets_a_longer_window(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Updates every 1 s (at 1000.0, 1001.0, ...): the first 0.55 s window sees none."""
+    gauge, clock = meter(FakeGpu(counter_period_s=1.0), min_window_s=0.5)
+    proposals: list[int] = []
+
+    def agree(count: int) -> int:
+        proposals.append(count)
+        return count
+
+    window = gauge.measure(taking(clock, 0.002), agree)
+    assert proposals == [276, 552, 0]  # doubled once: the window now spans an update
+    assert window.energy_j > 0
+    assert abs(window.energy_j - 300.0 * window.wall_s) <= 300.0 * 1.0  # one update's worth
+    assert window.time_s == pytest.approx(0.002)
+    assert any("did not advance in a 0.552 s window" in r.getMessage() for r in caplog.records)
+
+
+def test_a_stalled_counter_raises_after_a_bounded_window() -> None:
+    gauge, clock = meter(FakeGpu(counter_stalled=True), min_window_s=0.5)
+    assert gauge.max_window_s == 5.0
+    runs: list[int] = []
+    proposals: list[int] = []
+
+    def run() -> None:
+        runs.append(1)
+        clock.advance(0.002)
+
+    def agree(count: int) -> int:
+        proposals.append(count)
+        return count
+
+    with pytest.raises(EnergyCounterStalledError) as info:
+        gauge.measure(run, agree)
+    # Doubled up to the 5 s bound (2751 runs fill 5.5 s); the last count agreed is 0, as
+    # the other ranks see it, and only then this rank raises.
+    assert proposals == [276, 552, 1104, 2208, 2751, 0]
+    assert len(runs) == 1 + sum(proposals)
+    message = str(info.value)
+    for said in ("GPU 0", "5.50 s window (2751 runs", "did not advance", "min_window_s=", "driver"):
+        assert said in message
+    assert meter(min_window_s=2.0)[0].max_window_s == 20.0

@@ -22,6 +22,11 @@ and temperature), so the controller does not assume the GPU is at its default cl
 it has set or reset them itself, its first request is always sent to NVML, and ``reset``
 leaves a GPU it has not touched alone. A forked child does not own its parent's controller:
 setting clocks through it raises ``ForkedClockControllerError``; reset and close do nothing.
+
+``probe_permission`` finds out whether the process may lock clocks at all, by resetting
+them once (the default clocks are where kareus leaves a GPU anyway). Without permission
+(common on shared clusters) requests for the default clocks then make no NVML call, and a
+request for any other clock raises ``ClockPermissionError``.
 """
 
 from __future__ import annotations
@@ -176,6 +181,33 @@ class NvmlClockController:
     def owns_clocks(self) -> bool:
         """Whether this controller holds the GPU's clock ownership (never in a dry run)."""
         return self._owner is not None and self._owner.held and not self._forked()
+
+    def probe_permission(self) -> bool:
+        """Whether this process may lock the GPU's clocks, found by resetting them once.
+
+        Either way the controller then knows the GPU is at its default clocks (a GPU it may
+        not change counts as there: it cannot be changed), so requests for them make no
+        NVML call until another clock is locked. Only NVML_ERROR_NO_PERMISSION answers
+        "no"; after any other failure the clocks stay unknown and the first request goes
+        to NVML, which then raises what is wrong, as without a probe. A dry run, or a
+        forked child, calls nothing and answers "yes".
+        """
+        if self.dry_run or self._forked():
+            return True
+        with self._apply_lock:
+            try:
+                self._nvml.nvmlDeviceResetGpuLockedClocks(self._handle)
+            except Exception as exc:  # noqa: BLE001 - reported by the first request instead
+                if nvml_error_code(exc) != self._nvml.NVML_ERROR_NO_PERMISSION:
+                    logger.info("%s: resetting clocks at open failed (%s)", self.gpu, exc)
+                    return True
+                allowed = False
+            else:
+                allowed = True
+                self._record(None)
+            with self._request_lock:
+                self._applied = self._requested = DEFAULT_CLOCK_MHZ
+        return allowed
 
     def set_clock(self, graph: str, mhz: int) -> None:
         """Queue a switch to ``mhz`` at the current point of the stream; returns at once."""

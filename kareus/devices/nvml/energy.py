@@ -5,6 +5,12 @@ updates every ~20-100 ms (REFERENCE.md s4), so a workload is repeated until one 
 lasts at least ``min_window_s`` and the window is divided by the repeat count; where the
 counter is unsupported, power is polled by a background thread and integrated. Time is the
 CUDA-event time of the window (wall clock without CUDA), also divided by the repeats.
+
+A counter that did not advance within a window (it updates more rarely than the window
+lasts, or not at all) would give zero energy: such a window is lengthened by doubling its
+runs, up to ``max_window_s`` (the larger of 10 x ``min_window_s`` and 5 s), and a counter
+still standing there raises ``EnergyCounterStalledError``. A lengthened window's energy is
+right to within one counter update.
 """
 
 from __future__ import annotations
@@ -20,7 +26,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kareus.devices.errors import EnergyUnavailableError, nvml_error_code
+from kareus.devices.errors import (
+    EnergyCounterStalledError,
+    EnergyUnavailableError,
+    nvml_error_code,
+)
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self from Python 3.11
@@ -34,6 +44,12 @@ final numbers (the method's artifact measured 5 s windows)."""
 
 DEFAULT_POLL_INTERVAL_S = 0.01
 """Power polling period where the energy counter is unsupported."""
+
+STALLED_WINDOW_FACTOR = 10
+STALLED_WINDOW_MIN_S = 5.0
+"""A window whose counter did not advance is lengthened up to the larger of
+``STALLED_WINDOW_FACTOR`` x ``min_window_s`` and ``STALLED_WINDOW_MIN_S`` (the method's
+artifact measured 5 s windows): a counter that stands still that long is stalled."""
 
 
 class EnergyCounter:
@@ -152,6 +168,12 @@ class NvmlEnergyMeter:
         self._cuda = cuda
         self._timer = timer
         self._use_counter = self._energy_counter_supported()
+        self._warned_stall = False
+
+    @property
+    def max_window_s(self) -> float:
+        """The longest a window is lengthened to while the energy counter does not advance."""
+        return max(STALLED_WINDOW_FACTOR * self.min_window_s, STALLED_WINDOW_MIN_S)
 
     @property
     def method(self) -> str:
@@ -165,17 +187,48 @@ class NvmlEnergyMeter:
         self, run: Callable[[], object], agree: Callable[[int], int] | None = None
     ) -> Window:
         """A window of repeated ``run()`` calls that lasts at least ``min_window_s``, sized
-        from a single warm-up run; ``agree`` (``Workload.agree``) makes every rank that
-        runs it together take the same, largest, count."""
+        from a single warm-up run, and over which the energy counter advanced; ``agree``
+        (``Workload.agree``) makes every rank that runs it together take the same, largest,
+        count. Every rank makes the same calls of ``agree``, including a rank whose counter
+        stalled: it raises ``EnergyCounterStalledError`` only after the last of them."""
         decide = agree or (lambda runs: runs)
         warmup = self._window(run, 1)
-        window = self._window(run, decide(self._runs_to_fill(warmup)))
-        while True:
-            short = window.wall_s < self.min_window_s  # the warm-up overestimated one run
-            runs = decide(max(2 * window.runs, self._runs_to_fill(window)) if short else 0)
-            if not runs:
-                return window
+        window = self._window(run, decide(self._runs_to_fill(warmup, self.min_window_s)))
+        while runs := decide(self._more_runs(window)):
             window = self._window(run, runs)
+        if self._stalled(window):
+            raise EnergyCounterStalledError(self.gpu, window.wall_s, window.runs, self.min_window_s)
+        return window
+
+    def _more_runs(self, window: Window) -> int:
+        """The runs of the next window this rank proposes; 0: this window will do (or the
+        counter stalled for good)."""
+        stalled = self._stalled(window)
+        if stalled and window.wall_s >= self.max_window_s:
+            return 0
+        if not stalled and window.wall_s >= self.min_window_s:
+            return 0
+        if stalled:
+            self._warn_stalled(window)
+        # Short: the warm-up overestimated one run. Stalled: the counter updates more rarely.
+        runs = max(2 * window.runs, self._runs_to_fill(window, self.min_window_s))
+        return min(runs, self._runs_to_fill(window, self.max_window_s))
+
+    def _stalled(self, window: Window) -> bool:
+        """Time passed but the energy counter did not advance."""
+        return self._use_counter and window.energy_j <= 0 and window.wall_s > 0
+
+    def _warn_stalled(self, window: Window) -> None:
+        log = logger.debug if self._warned_stall else logger.warning
+        self._warned_stall = True
+        log(
+            "%s: NVML's energy counter did not advance in a %.3f s window; lengthening it "
+            "(up to %.1f s). Its energy is then right to within one counter update: a larger "
+            "min_window_s= makes that error smaller",
+            self.gpu,
+            window.wall_s,
+            self.max_window_s,
+        )
 
     def _energy_counter_supported(self) -> bool:
         nvml = self._nvml
@@ -203,10 +256,11 @@ class NvmlEnergyMeter:
             return EnergyCounter(lambda: nvml.nvmlDeviceGetTotalEnergyConsumption(handle))
         return PowerSampler(self.power_w, self._timer, self._poll_interval_s)
 
-    def _runs_to_fill(self, window: Window) -> int:
-        """Runs expected to fill ``min_window_s`` with a 10% margin, from a timed window."""
+    @staticmethod
+    def _runs_to_fill(window: Window, seconds: float) -> int:
+        """Runs expected to fill ``seconds`` with a 10% margin, from a timed window."""
         per_run_s = max(window.wall_s / window.runs, 1e-6)
-        return max(1, math.ceil(1.1 * self.min_window_s / per_run_s))
+        return max(1, math.ceil(1.1 * seconds / per_run_s))
 
     def _window(self, run: Callable[[], object], runs: int) -> Window:
         """Run ``runs`` times back to back, energy read around them once the stream is idle."""

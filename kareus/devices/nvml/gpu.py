@@ -4,7 +4,9 @@
 process trains on (``nvml.select.select_gpu``), the energy meter that measures workloads
 on it (``nvml.energy.NvmlEnergyMeter``) and the controller that locks its SM clock
 (``nvml.clock.NvmlClockController``). This module adds what NVML does not say: the
-clocks to search and the GPU's static power.
+clocks to search and the GPU's static power. At open it asks the controller whether the
+process may lock clocks (``probe_permission``); where it may not, only the default clock
+is searched and ``clock_limitation`` says why.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from kareus.devices.errors import (
     DeviceError,
     UnmeasurableWorkloadError,
     UnsupportedMeasurementError,
+    no_clock_permission,
 )
 from kareus.devices.nvml.clock import (
     EventFactory,
@@ -110,6 +113,8 @@ class NvmlGPU(Device, Closing):
     process's GPU, so compiled graphs drive its controller (``controls_clocks``).
     ``clock_locks`` is where the process keeps the clock ownerships it holds: the runtime
     passes its own (``ProcessRuntime.clock_locks``); see ``NvmlClockController``.
+    Without permission to lock clocks (not a dry run), only the default clock is searched
+    and ``clock_limitation`` says why (a WARNING says it once, at open).
     """
 
     controls_clocks = True
@@ -135,6 +140,8 @@ class NvmlGPU(Device, Closing):
         self._settle_s = settle_s
         self._sleep = sleep
         self._nvml = nvml = load_nvml(nvml_module)
+        self._clock_limitation: str | None = None
+        controller: NvmlClockController | None = None
         try:
             cuda = cuda_available() if cuda is None else cuda
             self.index = select_gpu(nvml, cuda_index, cuda=torch.cuda if cuda else None)
@@ -163,7 +170,7 @@ class NvmlGPU(Device, Closing):
                 cuda=cuda,
                 timer=timer,
             )
-            self._controller = NvmlClockController(
+            self._controller = controller = NvmlClockController(
                 nvml,
                 handle,
                 gpu=gpu,
@@ -174,8 +181,15 @@ class NvmlGPU(Device, Closing):
                 reset_at_exit=reset_at_exit,
                 held=clock_locks,
             )
+            if not controller.probe_permission():
+                self._clock_limitation = no_clock_permission(gpu)
+                logger.warning("%s", self._clock_limitation)
         except BaseException:
-            nvml.nvmlShutdown()
+            try:
+                if controller is not None:
+                    controller.close()
+            finally:
+                nvml.nvmlShutdown()
             raise
 
     @property
@@ -188,8 +202,14 @@ class NvmlGPU(Device, Closing):
         return self._supported
 
     def search_clocks(self) -> tuple[int, ...]:
-        """See ``default_search_clocks``; the first is the maximum, where default clocks boost."""
-        return default_search_clocks(self._supported)
+        """See ``default_search_clocks``; the first is the maximum, where default clocks boost.
+        Only that one where the clocks cannot be locked (``clock_limitation``)."""
+        clocks = default_search_clocks(self._supported)
+        return clocks[:1] if self._clock_limitation is not None else clocks
+
+    @property
+    def clock_limitation(self) -> str | None:
+        return self._clock_limitation
 
     @property
     def static_power_w(self) -> float:
