@@ -117,7 +117,8 @@ def test_real_cpu_work_draws_more_energy_at_a_higher_clock_than_idling() -> None
             for name, run in (("spin", spin), ("rest", rest))
             for mhz in (1410, 900)
         }
-    model = fake.gpus[0].power_model
-    assert power["spin", 1410] > power["spin", 900] > power["rest", 900]
-    assert power["spin", 1410] > 0.7 * model.active_w(1410)
-    assert power["rest", 1410] < 0.5 * model.active_w(1410)
+    # How busy spinning keeps this process depends on what else the machine runs (about
+    # half of a CPU on a loaded one), so only the orderings are checked.
+    assert power["spin", 1410] > power["spin", 900] > 1.5 * power["rest", 900]
+    assert power["spin", 1410] > 1.5 * power["rest", 1410]
+    assert power["rest", 1410] < 0.25 * fake.gpus[0].power_model.active_w(1410)
