@@ -123,3 +123,23 @@ def test_a_budget_that_needs_clocks_names_what_keeps_them_fixed(fake_pg, tmp_pat
                                           r"to lock clocks \(a test\)"):
         _train(MeasuredOnly(default_clock_only=True),
                {"energy_budget": 0.5, "cache_dir": str(tmp_path)}, steps=1)
+
+
+def test_an_energy_counter_that_never_advances_is_an_error_never_a_zero_energy_plan(
+        fake_pg, tmp_path, monkeypatch):
+    from fake_pynvml import FakeGpu, FakeNvml, FakePowerModel
+
+    from kareus.devices.nvml import energy
+    from kareus.devices.nvml.gpu import NvmlGPU
+
+    monkeypatch.setattr(energy, "STALLED_WINDOW_MIN_S", 0.2)  # give up sooner than 5 s
+    fake = FakeNvml([FakeGpu(power_model=FakePowerModel.of(), counter_stalled=True)])
+    with NvmlGPU(nvml_module=fake, cuda=False, min_window_s=0.01, settle_s=0.0,
+                 reset_at_exit=False) as gpu:
+        backend, _, _ = _train(gpu, {"nanobatches": 1, "energy_budget": 0.9,
+                                     "cache_dir": str(tmp_path)}, steps=1)
+    assert backend.planner.plan is None
+    notes = [n for r in backend.reports() for n in r.notes]
+    assert sum("not planned: measuring the whole graph failed: EnergyCounterStalledError"
+               in n for n in notes) == 2  # forward and backward
+    assert fake.gpus[0].locked is None

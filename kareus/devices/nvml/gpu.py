@@ -245,13 +245,16 @@ class NvmlGPU(Device, Closing):
             raise UnmeasurableWorkloadError(
                 workload.name, "run()", "the NVML device measures by running it"
             )
-        switching = clock_mhz != self._controller.applied_mhz
-        self._controller.set_clock(f"measure:{workload.name}", clock_mhz)
+        requested = clock_mhz
+        if self._clock_limitation is not None and clock_mhz == self.search_clocks()[0]:
+            requested = DEFAULT_CLOCK_MHZ  # the one search clock stands for the default clocks
+        switching = requested != self._controller.applied_mhz
+        self._controller.set_clock(f"measure:{workload.name}", requested)
         self._controller.flush()
         if switching:
             self._sleep(self._settle_s)
         window = self.meter.measure(workload.run, workload.agree)
-        locked = not self.dry_run and clock_mhz != DEFAULT_CLOCK_MHZ
+        locked = not self.dry_run and requested != DEFAULT_CLOCK_MHZ
         return Measurement(
             time_s=window.time_s,
             energy_j=window.run_energy_j,
