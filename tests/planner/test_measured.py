@@ -5,16 +5,12 @@ run measures nothing, a profiling budget stops the measuring with a stated fallb
 device that cannot set clocks refuses a budget that needs them, saying why."""
 
 import pytest
-import torch
-from torch.distributed.device_mesh import init_device_mesh
+from test_step import _train as train_step
 
 import kareus
 from kareus.devices import SimulatedGPU
-from kareus.models.llama import Llama, LlamaConfig, parallelize_llama
 from kareus.planner.budget import BudgetError
 from kareus.profiler import measure
-
-CONFIG = LlamaConfig(dim=512, n_layers=1, n_heads=8, ffn_dim=1536, max_seq_len=128)
 
 
 class MeasuredOnly(SimulatedGPU):
@@ -39,24 +35,13 @@ class MeasuredOnly(SimulatedGPU):
 
 
 def _train(device, options, steps=2):
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = parallelize_llama(Llama(CONFIG), init_device_mesh("cpu", (2,)))
+    """The backend, the clock switches its graphs asked for, and the losses."""
     backend = kareus.KareusBackend(
         {"lowering": "eager", "search_budget": 4, "nanobatches": "auto", **options},
         device=device,
     )
-    compiled = torch.compile(model, backend=backend)
-    tokens = torch.randint(0, CONFIG.vocab_size, (8, 128),
-                           generator=torch.Generator().manual_seed(1))
-    recorder = kareus.RecordingClockController()
-    losses = []
-    with kareus.use_controller(recorder):
-        for _ in range(steps):
-            loss = compiled(tokens).float().logsumexp(-1).mean()
-            loss.backward()
-            losses.append(loss.item())
-    return backend, [(s.graph, s.mhz) for s in recorder.switches], losses
+    losses, switches, backend = train_step({}, steps=steps, backend=backend)
+    return backend, switches, losses
 
 
 @pytest.fixture
