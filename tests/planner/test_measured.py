@@ -111,7 +111,7 @@ def test_a_budget_that_needs_clocks_names_what_keeps_them_fixed(fake_pg, tmp_pat
 
 
 def test_an_energy_counter_that_never_advances_is_an_error_never_a_zero_energy_plan(
-        fake_pg, tmp_path, monkeypatch):
+        fake_pg, tmp_path, monkeypatch, fresh_runtime):
     from fake_pynvml import FakeGpu, FakeNvml, FakePowerModel
 
     from kareus.devices.nvml import energy
