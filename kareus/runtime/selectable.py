@@ -4,7 +4,9 @@ AOT autograd compiles a step's backward lazily, so the step's plan is known only
 graphs first ran; each graph starts with the choice known when it compiled, and from its
 next call after the plan is adopted runs the plan's choice for it, compiling it then.
 Where asked, the first call of each newly chosen rewrite is checked against the
-unrewritten graph (``kareus.verify``) before it is trusted.
+unrewritten graph (``kareus.verify``) before it is trusted. On a device that must run a
+graph to cost it, the graph's first call measures and plans it first, on its inputs
+(``planner.measured``).
 
 Under a pipeline's plan a graph's choice is its instruction's (``runtime.pipelining``
 says which runs): each variant is compiled once, without a clock switch, and every call
