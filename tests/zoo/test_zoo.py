@@ -112,6 +112,9 @@ def test_trains_like_eager(model, options):
         splits = [g for g in r.reports if options["nanobatches"] in g.variants.nanobatches
                   and any(c.launch_slots > 1 for c in g.variants.partitions(2))]
         assert all(g.profiles for g in splits) if planned else not profiles, "profiles"
+        if options.get(FAKE_NVML):  # a real GPU's path: planned at the graphs' first calls
+            assert splits and all(any(n.startswith("whole graph measured at its first call")
+                                      for n in g.notes) for g in splits), "whole graphs measured"
     if model in MOE:
         return
     for r in results:
