@@ -74,11 +74,13 @@ class FirstCallPlanning:
     def __call__(self, args: Sequence[Any]) -> None:
         label = self.analysis.label
         shows = not dist.is_initialized() or dist.get_rank() == 0
-        copies = [_copy(a) for a in args]
+        copies: list[Any] = []  # made when a variant first runs: none where all is stored
         compiled: dict[tuple[int, tuple], Workload] = {}
 
         def workload(choice: Choice) -> Workload:
             key = (choice.nanobatches, choice.partitions)
+            if not copies:
+                copies.extend(_copy(a) for a in args)
             if key not in compiled:
                 _, graph = self.builder.graph(choice.at(DEFAULT_CLOCK_MHZ), clocked=False)
                 run = self.builder.lowered(graph, copies)

@@ -26,7 +26,6 @@ measurements (:class:`MeasuredGraph.cost`), so all of them choose alike.
 from __future__ import annotations
 
 import json
-import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -40,8 +39,6 @@ from kareus.profiler.measure import GpuTime, ProfileBudgetSpent, measure_variant
 from kareus.profiler.profile import Progress, Settings
 from kareus.profiler.search import Point, SearchResult, between
 from kareus.profiler.store import Knobs, ProfileKey, ProfileStore
-
-log = logging.getLogger("kareus")
 
 GraphCost = Callable[[Variant | None, Sequence[int]], dict[int, Measurement] | None]
 """What the planner costs a whole graph with (``planner.graph``): (variant, clocks) -> what
@@ -125,8 +122,13 @@ def _answer(
         if m is None:
             return None
         curve[f] = m
-    answer = {f: predicted_cost(curve, f) for f in clocks}
-    return None if any(m is None for m in answer.values()) else answer  # type: ignore[return-value]
+    answer: dict[int, Measurement] = {}
+    for f in clocks:
+        m = predicted_cost(curve, f)
+        if m is None:
+            return None
+        answer[f] = m
+    return answer
 
 
 def _neighbours(grid: Sequence[int], clock: int) -> tuple[int, ...]:
@@ -167,11 +169,6 @@ class GraphMeasurer:
         self.team = Team.of_groups(groups, f"kareus/graph/{prefix}", settings.timeout_s, stop,
                                    decode=_choice)
         self.search_clocks = tuple(device.search_clocks())
-        self.key_of = lambda choice: ProfileKey(
-            f"graph {analysis.key} k{choice.nanobatches} "
-            f"{json.dumps([list(p) for p in choice.partitions])}",
-            device.identity, device.model_version, self.search_clocks, self.team.group_size,
-        )
         self.measurements: dict[Choice, Measurement] = {}
         self.fresh = self.reused = 0
         self.gpu_s = 0.0
@@ -202,7 +199,7 @@ class GraphMeasurer:
         """``choice`` measured for the team, or read back from the store."""
         if choice in self.measurements:
             return self.measurements[choice]
-        key, knobs = self.key_of(choice), Knobs(0, {}, choice.clock_mhz, choice.nanobatches)
+        key, knobs = self._key(choice), Knobs(0, {}, choice.clock_mhz, choice.nanobatches)
         refresh = self.settings.mode == "refresh"
         hit = None if refresh else self.store.lookup(key, knobs)
         if hit is not None:
@@ -219,6 +216,15 @@ class GraphMeasurer:
             self.progress(self.label, done, done, [Point.of(c, x)
                                                   for c, x in self.measurements.items()])
         return m
+
+    def _key(self, choice: Choice) -> ProfileKey:
+        """Where ``choice``'s variant is stored: the graph's hash, the count, the choices."""
+        partitions = json.dumps([list(p) for p in choice.partitions])
+        return ProfileKey(
+            f"graph {self.analysis.key} k{choice.nanobatches} {partitions}",
+            self.device.identity, self.device.model_version, self.search_clocks,
+            self.team.group_size,
+        )
 
     def _measure_here(self, choice: Choice, agree: Callable[[int], int] | None) -> Measurement:
         return measure_variant(
