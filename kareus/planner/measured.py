@@ -99,7 +99,7 @@ class FirstCallPlanning:
                     ).run(lambda cost: self.planner.explore(self.analysis, self.profiles, cost))
             except FAILURES as exc:
                 why = f"not planned: measuring the whole graph failed: {type(exc).__name__}: {exc}"
-                log.warning("%s: %s", label, why)
+                self.spend.warn(label, why)
                 self.reports.update(label, notes_added=(why,),
                                     profile_gpu_s=self.spend.by_graph.get(label, 0.0))
                 return

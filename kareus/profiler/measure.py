@@ -59,21 +59,39 @@ class GpuTime:
     budget_s: float | None = None
     by_graph: dict[str, float] = field(default_factory=dict)
     estimated: bool = False
+    announced: bool = False  # the spent budget's warning was logged
 
     @property
     def total_s(self) -> float:
         return sum(self.by_graph.values())
+
+    @property
+    def spent(self) -> bool:
+        return self.budget_s is not None and self.total_s >= self.budget_s
 
     def charge(self, graph: str, seconds: float) -> None:
         self.by_graph[graph] = self.by_graph.get(graph, 0.0) + seconds
 
     def check(self) -> None:
         """Raise ``ProfileBudgetSpent`` once the cap is reached: called before measuring."""
-        if self.budget_s is not None and self.total_s >= self.budget_s:
+        if self.spent:
             raise ProfileBudgetSpent(
                 f"the profiling budget of {self.budget_s:g} GPU-s is spent "
                 f"({self.total_s:.1f} GPU-s{' estimated' if self.estimated else ''})"
             )
+
+    def warn(self, what: str, why: str) -> None:
+        """Log that ``what`` was not measured: a warning, except where the reason is the
+        spent budget and that was said already (every partition and graph after it would
+        repeat it); those go to the debug log."""
+        if not self.spent:
+            log.warning("%s: %s", what, why)
+        elif not self.announced:
+            self.announced = True
+            log.warning("%s: %s; what is not measured yet will not be, without a search "
+                        "(the profile_budget_s option)", what, why)
+        else:
+            log.debug("%s: %s", what, why)
 
     def describe(self, graph: str) -> str:
         """This graph's and the total, for reports and tables."""

@@ -16,7 +16,6 @@ where it stopped.
 from __future__ import annotations
 
 import json
-import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -41,8 +40,6 @@ from kareus.profiler.search import (
 from kareus.profiler.store import Knobs, ProfileKey, ProfileStore, SearchRecord
 from kareus.profiler.workloads import Lower, partition_workload
 from kareus.runtime.communicators import Communicators
-
-log = logging.getLogger("kareus")
 
 MODES = ("auto", "off", "refresh")
 
@@ -228,7 +225,7 @@ class _Search:
                 result, self.measured = self.team.follow(self._measure_here)
         except (ProfilingAborted, ValueError, RuntimeError, TypeError, OSError) as exc:
             reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            log.warning("%s: not profiled: %s", self.label, reason)
+            self.spend.warn(self.label, f"not profiled: {reason}")
             return self._profile(None, error=reason)
         return self._profile(result)
 

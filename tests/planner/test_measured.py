@@ -4,6 +4,8 @@ real one, so the plan can be checked against the model's own. The budget is met,
 run measures nothing, a profiling budget stops the measuring with a stated fallback, and a
 device that cannot set clocks refuses a budget that needs them, saying why."""
 
+import logging
+
 import pytest
 from test_step import _train as train_step
 
@@ -90,9 +92,13 @@ def test_a_time_budget_is_planned_from_first_call_measurements_and_met(fake_pg, 
 
 
 def test_a_spent_profiling_budget_stops_measuring_and_the_graphs_run_unplanned(
-        fake_pg, tmp_path, measured):
+        fake_pg, tmp_path, measured, caplog):
     options = {"cache_dir": str(tmp_path), "profile_budget_s": 20}
-    backend, switches, losses = _train(MeasuredOnly(), options)
+    with caplog.at_level(logging.DEBUG, logger="kareus"):
+        backend, switches, losses = _train(MeasuredOnly(), options)
+    spent = [r for r in caplog.records if "ProfileBudgetSpent" in r.getMessage()]
+    assert len(spent) > 1  # every partition and graph after the budget says why...
+    assert [r.levelno for r in spent].count(logging.WARNING) == 1  # ...and one warns
     assert backend.planner.plan is None  # nothing planned
     assert 20 <= backend.spend.total_s < 25 and not measured
     notes = [n for r in backend.reports() for n in r.notes]

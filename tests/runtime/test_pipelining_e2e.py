@@ -93,8 +93,10 @@ def _worker(rank, port, out_dir, world, tp, schedule, options, case):
             return kind(stages if virtual > 1 else stages[0], n_microbatches=MICROBATCHES,
                         loss_fn=_loss)
 
+        backend = (kareus.KareusBackend(options, device=_measuring_only(options["device"]))
+                   if case.get("measured") else backend_for(options))
         runs = {"eager": pipeline(eager), "kareus": pipeline(
-            [torch.compile(m, backend="kareus", options=options) for m in compiled])}
+            [torch.compile(m, backend=backend) for m in compiled])}
         modules = {"eager": eager, "kareus": compiled}
         recorder = kareus.RecordingClockController()
         worst = 0.0
@@ -120,7 +122,7 @@ def _worker(rank, port, out_dir, world, tp, schedule, options, case):
                 torch.testing.assert_close(b, a)
                 worst = max(worst, float((a - b).abs().detach()))
         plan = kareus.current_plan()
-        planner = backend_for(options).planner
+        planner = backend.planner
         frontiers = planner.graph_frontiers()
         baseline = {}  # each of this rank's instructions at default clocks, unrewritten
         for i in plan.instructions if plan else ():
@@ -128,7 +130,7 @@ def _worker(rank, port, out_dir, world, tp, schedule, options, case):
                 baseline[i.stage, i.microbatch, i.kind] = sum(
                     g.calls * frontiers[g.label].baseline.time_s for g in i.graphs)
         labels = [r.label for r in kareus.graph_reports()]
-        planning = backend_for(options).pipeline
+        planning = backend.pipeline
         orders = planning.shape.orders if planning else None
         notes = [n for r in kareus.graph_reports() for n in r.notes]
         split = {label: [list(p) for p in next(o.choice.partitions for o in f.nanobatched
@@ -145,6 +147,17 @@ def _worker(rank, port, out_dir, world, tp, schedule, options, case):
     finally:
         dist.destroy_process_group()
     leave()
+
+
+def _measuring_only(spec):
+    """The simulated GPU of ``spec`` as a real GPU is to the planner: a graph is costed only
+    by running it (at its first call), never by the model."""
+    from kareus.devices.resolve import resolve_device
+
+    device = resolve_device(spec)
+    device.costs_graphs = False
+    device.estimate_at = lambda *args, **kwargs: None
+    return device
 
 
 def _options(tmp_path, **more):
@@ -304,3 +317,12 @@ def test_interleaved_1f1b_with_2_stages_per_rank_plans_every_stage_s_instruction
         assert len(order) == 2 * 2 * MICROBATCHES
         assert [tuple(name.split(" ")[-2:]) + (mhz,) for name, mhz in r["switches"]] == [
             (f"s{s}", f"{kind[0]}{m}", clocks[s, m, kind]) for s, m, kind in order]
+
+
+def test_stages_on_a_device_that_must_run_graphs_are_measured_then_planned_as_one(tmp_path):
+    """As on a real GPU: each stage's graphs are measured at their first call, then the
+    pipeline is planned as one from those measurements."""
+    results = _run(tmp_path, case={"measured": True}, time_budget=1.0)
+    _check_plan(results, "1f1b")
+    for r in results:
+        assert any("whole graph measured at its first call" in n for n in r["notes"])
