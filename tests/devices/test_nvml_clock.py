@@ -402,7 +402,12 @@ def test_a_controller_that_set_nothing_leaves_the_gpu_alone() -> None:
 def test_the_permission_probe_resets_once_and_then_default_requests_call_nothing() -> None:
     fake, handle = opened(FakeNvml(can_set_clocks=False))
     ctl = controller(fake, handle)
+    assert ctl.owns_clocks
     assert ctl.probe_permission() is False and ctl.applied_mhz == DEFAULT_CLOCK_MHZ
+    # it will never change the clocks, so it leaves them to any other job on the GPU
+    assert not ctl.owns_clocks
+    with controller(fake, handle) as other:
+        assert other.owns_clocks
     for _ in range(2):
         ctl.set_clock("g", DEFAULT_CLOCK_MHZ)
         ctl.flush()

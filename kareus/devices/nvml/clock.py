@@ -188,9 +188,11 @@ class NvmlClockController:
         Either way the controller then knows the GPU is at its default clocks (a GPU it may
         not change counts as there: it cannot be changed), so requests for them make no
         NVML call until another clock is locked. Only NVML_ERROR_NO_PERMISSION answers
-        "no"; after any other failure the clocks stay unknown and the first request goes
-        to NVML, which then raises what is wrong, as without a probe. A dry run, or a
-        forked child, calls nothing and answers "yes".
+        "no"; the controller then gives up the GPU's lock file (it will never change the
+        clocks, so another job on the GPU, with or without permission, may own them). After
+        any other failure the clocks stay unknown and the first request goes to NVML,
+        which then raises what is wrong, as without a probe. A dry run, or a forked child,
+        calls nothing and answers "yes".
         """
         if self.dry_run or self._forked():
             return True
@@ -207,6 +209,8 @@ class NvmlClockController:
                 self._record(None)
             with self._request_lock:
                 self._applied = self._requested = DEFAULT_CLOCK_MHZ
+            if not allowed:
+                self._release_ownership()
         return allowed
 
     def set_clock(self, graph: str, mhz: int) -> None:
