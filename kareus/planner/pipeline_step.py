@@ -298,7 +298,7 @@ def exchange(key: str, mine: Sequence[StageOptions], shape: PipelineShape, *,
 def agree_on(key: str, plan: Plan | None, why: str | None, timeout_s: float) -> bool:
     """Whether every rank proposes this plan (None: this rank has none, ``why``)."""
     verdict = agree(f"{key}/plan", plan.digest if plan else f"unplanned: {why}",
-                    world_group(), timeout_s=timeout_s)
+                    world_group(), timeout_s=timeout_s, falls_back=plan is None)
     if plan is None or not verdict:  # also where every rank agrees it has none
         log.warning("kareus: the pipeline is not planned: %s; each graph keeps its choice",
                     why if plan is None else verdict.reason)

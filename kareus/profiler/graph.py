@@ -73,6 +73,7 @@ def profile(
     verdict = agree(
         f"{compile_key}/profile", intent if wants or planned else None,
         (c.group_name for c in analysis.collectives), timeout_s=settings.timeout_s,
+        falls_back=not (wants or planned),
     )
     if not (wants or planned):
         return GraphProfiles()

@@ -14,8 +14,15 @@ group's key-value store instead, under keys private to one graph and one set of 
 1. If the verdict exists, adopt it and return: a repeated compile of the graph, or a rank that
    arrives after the others gave up, needs nobody else.
 2. Publish this rank's entry.
+   A rank whose decision is the fallback itself (``falls_back``: the graph unrewritten,
+   nothing profiled) runs it whatever the verdict, so it waits for nobody: it settles the
+   verdict as ``disagree`` at once (step 4's ``compare_set``) and returns; the others then
+   stop waiting for it too. This is what keeps graphs whose shapes differ across ranks
+   (MoE routing, a recompile on one rank only) from waiting: every rank of such a graph
+   that would not rewrite it lets the others go.
 3. Poll (``store.check``, which never blocks; sleeps of at most 50 ms) until every participant's
-   entry exists, the verdict exists, or ``timeout_s`` has passed.
+   entry exists, the verdict exists, or ``timeout_s`` has passed. A wait of over a second is
+   logged (what waits, for which ranks, until when).
 4. Propose an outcome: ``agree:<digest>`` when all entries carry the same digest,
    ``disagree:<reason>`` when they differ, ``timeout:<reason>`` naming the ranks whose entries
    were missing. Settle it with one ``store.compare_set(verdict, "", proposal)``: it writes the
@@ -31,11 +38,12 @@ round trips, whatever the other ranks do, including never calling at all.
 Why every rank acts the same: a rank runs the decision only on an ``agree`` verdict, and
 ``agree`` is proposed only by a rank that saw every participant's entry carry the same digest;
 each rank publishes its entry once per graph (later calls stop at step 1), so the entries it
-saw are the ones every participant acts on. A late rank adopts the sticky ``timeout`` and falls
-back like the others. The one case that cannot be repaired is a rank that compiles the same
-``graph_key`` again with another decision after an ``agree``: it falls back, the others run the
-agreed decision; it is logged as an error (include in ``graph_key`` whatever should start a
-fresh agreement).
+saw are the ones every participant acts on; a rank that settles ``disagree`` for its own
+fallback runs the fallback, as does every rank adopting that verdict. A late rank adopts the
+sticky ``timeout`` and falls back like the others. The one case that cannot be repaired is a
+rank that compiles the same ``graph_key`` again with another decision after an ``agree``: it
+falls back, the others run the agreed decision; it is logged as an error (include in
+``graph_key`` whatever should start a fresh agreement).
 
 Decisions are compared by the SHA-256 of their pickle (protocol 4), not their ``repr``: two
 different values never share a pickle, while a ``repr`` may leave out fields or print equal
@@ -64,6 +72,7 @@ from kareus.errors import KareusError
 log = logging.getLogger("kareus")
 
 _MAX_POLL_S = 0.05
+_TELL_AFTER_S = 1.0  # a wait longer than this is logged: a silent one looks like a hang
 _REPR_CHARS = 200
 
 
@@ -100,8 +109,15 @@ def agree(
     *,
     timeout_s: float,
     store: dist.Store | None = None,
+    falls_back: bool = False,
 ) -> Verdict:
     """Whether every rank of the groups ``group_names`` took ``decision`` for ``graph_key``.
+
+    ``falls_back``: ``decision`` is what this rank does without an agreement (the graph
+    unrewritten, nothing profiled): it needs no confirmation, so this rank publishes it and
+    settles the verdict as a disagreement at once, and no participant waits for another
+    (see the module docstring). Ranks whose graphs legitimately differ (data-dependent
+    sizes, an extra compile) then wait only where one of them would rewrite.
 
     ``graph_key`` must be identical on every rank for the same graph (a structural hash);
     ``decision`` must be picklable. The participants are the union of the global ranks of
@@ -135,6 +151,7 @@ def agree(
             sorted(participants),
             entry,
             timeout_s,
+            falls_back,
         )
 
 
@@ -147,7 +164,8 @@ def _entry(decision: object) -> str:
 
 
 def _settle(
-    store: dist.Store, prefix: str, rank: int, participants: list[int], entry: str, timeout_s: float
+    store: dist.Store, prefix: str, rank: int, participants: list[int], entry: str,
+    timeout_s: float, falls_back: bool,
 ) -> Verdict:
     verdict_key = f"{prefix}/verdict"
     digest = entry.split(" ", 1)[0]
@@ -155,9 +173,13 @@ def _settle(
         return _adopt(store.get(verdict_key), digest, prefix, sticky=True)
 
     store.set(f"{prefix}/rank/{rank}", entry)
+    if falls_back:
+        proposal = f"disagree:rank {rank} falls back ({entry.partition(' ')[2]})"
+        return _adopt(store.compare_set(verdict_key, "", proposal), digest, prefix,
+                      sticky=False, quiet=True)
     others = [f"{prefix}/rank/{r}" for r in participants if r != rank]
     deadline = time.monotonic() + timeout_s
-    pause = 0.001
+    pause, told = 0.001, False
     while True:
         if store.check([verdict_key]):
             return _adopt(store.get(verdict_key), digest, prefix, sticky=False)
@@ -165,14 +187,17 @@ def _settle(
             proposal = _compare(store, prefix, participants)
             break
         remaining = deadline - time.monotonic()
+        missing = [r for r in participants if r != rank and not store.check([f"{prefix}/rank/{r}"])]
         if remaining <= 0:
-            missing = [
-                r for r in participants if r != rank and not store.check([f"{prefix}/rank/{r}"])
-            ]
             if not missing:  # arrived since the last check
                 continue
             proposal = f"timeout:rank(s) {missing} did not arrive within {timeout_s:g} s"
             break
+        if not told and timeout_s - remaining > _TELL_AFTER_S:
+            log.warning("kareus: %s waits for rank(s) %s to confirm its decision, at most "
+                        "%.1f s more (agreement_timeout_s); it then runs unrewritten",
+                        prefix, missing, remaining)
+            told = True
         time.sleep(min(pause, remaining))
         pause = min(2 * pause, _MAX_POLL_S)
     # Absent key and expected "": writes the proposal and returns it; present: returns its value.
@@ -189,7 +214,9 @@ def _compare(store: dist.Store, prefix: str, participants: list[int]) -> str:
     return f"disagree:ranks decided differently: {detail}"
 
 
-def _adopt(value: bytes | str, digest: str, prefix: str, *, sticky: bool) -> Verdict:
+def _adopt(
+    value: bytes | str, digest: str, prefix: str, *, sticky: bool, quiet: bool = False
+) -> Verdict:
     kind, _, payload = _text(value).partition(":")
     if kind == "agree":
         if payload == digest:
@@ -203,7 +230,8 @@ def _adopt(value: bytes | str, digest: str, prefix: str, *, sticky: bool) -> Ver
         return Verdict(False, reason)
     if kind not in ("disagree", "timeout"):
         raise UnreadableVerdictError(f"unreadable verdict {value!r} under {prefix}")
-    log.info("%s: %s%s; falling back", prefix, payload, " (verdict reused)" if sticky else "")
+    (log.debug if quiet else log.info)(
+        "%s: %s%s; falling back", prefix, payload, " (verdict reused)" if sticky else "")
     return Verdict(False, payload)
 
 

@@ -42,9 +42,9 @@ def agreed(
     if analysis.collectives:
         verdict = agree(
             compile_key, (decision.variant, decision.clock_mhz), _groups(analysis),
-            timeout_s=timeout_s,
+            timeout_s=timeout_s, falls_back=decision.variant is None,
         )
-        if not verdict:
+        if not verdict and decision.variant is not None:
             decision = decision.fallback(Reason(
                 ReasonKind.RANKS_DISAGREED, None,
                 f"the ranks did not confirm one decision ({verdict.reason}); runs unrewritten",

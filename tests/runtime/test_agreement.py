@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import socket
 import tempfile
 import time
@@ -116,9 +117,22 @@ def _session(rank: int, port: int, out: str) -> None:
             result["changed"] = _outcome(agree, "repeat", ("r0/forward", 4), world, timeout_s=3)
         return result
 
+    def fallback() -> dict:
+        if rank == 0:  # would rewrite, and comes 2 s after rank 1, which runs it unrewritten
+            time.sleep(2.0)
+        started = time.monotonic()
+        result = _outcome(agree, "fallback", ("r0/forward", 2 - rank), world, timeout_s=30,
+                          falls_back=rank == 1)
+        return {**result, "elapsed_s": time.monotonic() - started}
+
+    def told() -> dict:
+        if rank == 1:  # never comes
+            return {}
+        return _outcome(agree, "told", ("r0/forward", 2), world, timeout_s=1.5)
+
     results = {}
     try:
-        for scenario in (same, different, slow, extra, late, repeat):
+        for scenario in (same, different, slow, extra, late, repeat, fallback, told):
             _barrier(store, scenario.__name__)
             del records[:]
             try:
@@ -242,3 +256,20 @@ def test_compare_set_semantics_the_protocol_relies_on(kind, tmp_path):
     # the protocol always passes "" and never writes an empty verdict)
     assert store.compare_set("absent", "z", "w") == b"z"
     assert not store.check(["absent"])
+
+
+def test_a_rank_that_falls_back_lets_the_others_go_at_once(session):
+    r0, r1 = _scenario(session, "fallback")
+    assert not r0["agreed"] and not r1["agreed"] and r0["reason"] == r1["reason"]
+    assert r0["reason"] == "rank 1 falls back (('r0/forward', 1))"
+    # of a 30 s timeout: rank 1 did not wait the 2 s for rank 0, nor rank 0 for anyone
+    assert r0["elapsed_s"] < 1 and r1["elapsed_s"] < 1
+
+
+def test_a_wait_of_over_a_second_says_what_it_waits_for_and_until_when(session):
+    r0 = _scenario(session, "told")[0]
+    assert not r0["agreed"]
+    waits = [msg for level, msg in session[0]["told_logs"] if level == "WARNING"]
+    assert len(waits) == 1, waits
+    assert re.search(r"kareus/agree/told/0,1 waits for rank\(s\) \[1\] to confirm its "
+                     r"decision, at most 0\.\d s more \(agreement_timeout_s\)", waits[0]), waits
