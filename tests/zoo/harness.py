@@ -54,7 +54,7 @@ class ZooResult:
     model: str
     options: dict[str, object]  # the option set under test
     rank: int
-    compile_options: dict[str, object] = field(default_factory=dict)  # with the model's extras
+    compile_options: dict[str, object] = field(default_factory=dict)  # what kareus got
     losses: list[float] = field(default_factory=list)
     reference_losses: list[float] = field(default_factory=list)
     max_grad_diff: list[float] = field(default_factory=list)  # per step, over all parameters
@@ -154,7 +154,7 @@ def _free_port() -> int:
 def _worker(
     rank, model_name, options_list, steps, port, out_dir, collective_timeout_s, isolate, snapshot_at
 ):
-    from .models import EXTRA_OPTIONS, set_distributed_env
+    from .models import set_distributed_env
 
     torch.set_num_threads(1)  # the ranks share this machine's cores
     set_distributed_env(rank, WORLD_SIZE, port)
@@ -175,10 +175,7 @@ def _worker(
             # when the next option set's group forms.
             result = ZooResult(
                 model_name, dict(options), rank,
-                compile_options={
-                    **_known(EXTRA_OPTIONS.get(model_name, {})),
-                    **{k: v for k, v in options.items() if k != FAKE_NVML},
-                },
+                compile_options={k: v for k, v in options.items() if k != FAKE_NVML},
             )
             current[:] = [(result, time.perf_counter())]
             _run_options(result, steps, _setup(rank, scratch))
@@ -191,16 +188,6 @@ def _worker(
         _write(out_dir, rank, done)
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _known(options: dict[str, object]) -> dict[str, object]:
-    """The options this kareus accepts (an older tree lacks some of the models' extras)."""
-    import dataclasses
-
-    import kareus
-
-    accepted = {f.name for f in dataclasses.fields(kareus.KareusOptions)}
-    return {k: v for k, v in options.items() if k in accepted}
 
 
 def _start_watchdog(at: float, out_dir: str, rank: int, done: list, current: list) -> None:

@@ -297,18 +297,6 @@ BUILDERS: dict[str, Callable[[ZooSetup], ZooModel]] = {
     "hf-mixtral-ep-scalars": lambda setup: hf_mixtral_ep(setup, capture_scalars=True),
 }
 
-# kareus options a model is always compiled with, on top of the option set under test.
-# MoE routing gives the ranks different token counts, so the graphs behind the all-to-all
-# differ in shape between the ranks: their compile-time agreement keys never meet, and
-# each such graph waits out the agreement timeout (default 120 s) before running
-# unrewritten on every rank. 3 s keeps the run short with the same outcome (a rank more
-# than 3 s late to an agreement that could have succeeded only makes that graph fall back
-# on every rank).
-EXTRA_OPTIONS: dict[str, dict[str, object]] = {
-    "hf-mixtral-ep": {"agreement_timeout_s": 3.0},
-    "hf-mixtral-ep-scalars": {"agreement_timeout_s": 3.0},
-}
-
 # What each model needs installed (tests skip when it is missing).
 REQUIRES: dict[str, tuple[str, ...]] = {
     name: ("torchtitan", "triton") if name.startswith("titan") else ("transformers", "accelerate")
