@@ -187,8 +187,8 @@ def _settle(
             proposal = _compare(store, prefix, participants)
             break
         remaining = deadline - time.monotonic()
-        missing = [r for r in participants if r != rank and not store.check([f"{prefix}/rank/{r}"])]
         if remaining <= 0:
+            missing = _missing(store, prefix, participants, rank)
             if not missing:  # arrived since the last check
                 continue
             proposal = f"timeout:rank(s) {missing} did not arrive within {timeout_s:g} s"
@@ -196,12 +196,17 @@ def _settle(
         if not told and timeout_s - remaining > _TELL_AFTER_S:
             log.warning("kareus: %s waits for rank(s) %s to confirm its decision, at most "
                         "%.1f s more (agreement_timeout_s); it then runs unrewritten",
-                        prefix, missing, remaining)
+                        prefix, _missing(store, prefix, participants, rank), remaining)
             told = True
         time.sleep(min(pause, remaining))
         pause = min(2 * pause, _MAX_POLL_S)
     # Absent key and expected "": writes the proposal and returns it; present: returns its value.
     return _adopt(store.compare_set(verdict_key, "", proposal), digest, prefix, sticky=False)
+
+
+def _missing(store: dist.Store, prefix: str, participants: list[int], rank: int) -> list[int]:
+    """The other participants whose entries are not there yet."""
+    return [r for r in participants if r != rank and not store.check([f"{prefix}/rank/{r}"])]
 
 
 def _compare(store: dist.Store, prefix: str, participants: list[int]) -> str:
