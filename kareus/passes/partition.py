@@ -21,11 +21,13 @@ import heapq
 import itertools
 import math
 import operator
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.fx
+from torch.fx.node import _get_qualified_name
 from torch.utils._pytree import tree_leaves
 
 from kareus.passes.collectives import Collective, find_collectives, is_collective, is_wait
@@ -328,8 +330,18 @@ def _token(
         return repr(arg)
 
     return (
-        str(node.target), describe(node.args), describe(node.kwargs), (sig or _tensor_sig)(node)
+        target_name(node.target), describe(node.args), describe(node.kwargs),
+        (sig or _tensor_sig)(node),
     )
+
+
+def target_name(target: object) -> str:
+    """A node's target as keys hold it: a Python function (``torch.sym_sum``) by its
+    qualified name, since its ``str`` holds its address, which differs between processes,
+    so ranks tracing the same program would derive different keys and never meet."""
+    if isinstance(target, types.FunctionType):
+        return _get_qualified_name(target)
+    return str(target)
 
 
 def structural_key(ordered: Sequence[torch.fx.Node], coll: Collective, table: OpTable) -> str:

@@ -1,5 +1,6 @@
 """Structure of the forward and backward graphs of a tensor-parallel Llama (fake process group)."""
 
+import types
 from collections import Counter
 
 import pytest
@@ -119,3 +120,28 @@ def test_every_compute_node_is_in_exactly_one_segment(fake_pg, kind):
             seen.add(node)
         # the collective's input is produced inside its partition
         assert part.collective.node.all_input_nodes[0] in members
+
+
+def _calling(target) -> torch.fx.Graph:
+    graph = torch.fx.Graph()
+    a, b = graph.placeholder("a"), graph.placeholder("b")
+    graph.output(graph.call_function(target, ((a, b),)))
+    return graph
+
+
+def test_keys_name_python_function_targets_not_their_address():
+    # torch.sym_sum sums the token counts of an MoE's all-to-all; as a Python function its
+    # str holds its address, which differs between the ranks' processes. A copy of it
+    # (same module and name, another address) stands for another rank's.
+    from kareus.passes.ops import OP_TABLE
+    from kareus.passes.partition import graph_hash
+
+    other_rank = types.FunctionType(
+        torch.sym_sum.__code__, torch.sym_sum.__globals__, torch.sym_sum.__name__
+    )
+    other_rank.__qualname__ = torch.sym_sum.__qualname__
+    assert str(other_rank) != str(torch.sym_sum)
+    for shapes in (True, False):
+        assert graph_hash(_calling(torch.sym_sum), OP_TABLE, shapes=shapes) == graph_hash(
+            _calling(other_rank), OP_TABLE, shapes=shapes
+        )
