@@ -69,7 +69,8 @@ def profile(
     planned = plans is not None
     if not analysis.collectives:
         return GraphProfiles((), planned)
-    intent = (analysis.key, searched if wants else (), settings, plans)
+    intent = {"graph": analysis.key, "counts searched": searched if wants else (),
+              "settings": settings, "budget": plans}
     verdict = agree(
         f"{compile_key}/profile", intent if wants or planned else None,
         (c.group_name for c in analysis.collectives), timeout_s=settings.timeout_s,

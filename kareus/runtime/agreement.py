@@ -8,8 +8,9 @@ recompiles on data-dependent shapes), in different orders. A collective at compi
 then pair unrelated calls or wait forever, so the comparison goes through the default process
 group's key-value store instead, under keys private to one graph and one set of ranks::
 
-    kareus/agree/<graph_key>/<participants>/rank/<r>   rank r's decision: "<digest> <repr>"
-    kareus/agree/<graph_key>/<participants>/verdict    the outcome, written once
+    kareus/agree/<graph_key>/<participants>/rank/<r>         rank r's decision: "<digest> <repr>"
+    kareus/agree/<graph_key>/<participants>/rank/<r>/parts   a labelled decision's parts (JSON)
+    kareus/agree/<graph_key>/<participants>/verdict          the outcome, written once
 
 1. If the verdict exists, adopt it and return: a repeated compile of the graph, or a rank that
    arrives after the others gave up, needs nobody else.
@@ -50,17 +51,22 @@ different values never share a pickle, while a ``repr`` may leave out fields or 
 text for different values, and a false agreement is a hang where a false disagreement is only
 a fallback. (A pickle can differ for equal values, e.g. sets of strings under per-process hash
 seeds; that errs on the safe side.) The ``repr`` travels along only to explain a disagreement.
+A decision given as a mapping of labelled parts (what is searched, under which settings, ...)
+also publishes each part's digest and ``repr``, before its entry, so that a disagreement names
+the parts that differ ("ranks decided differently in graph (rank 0 ..., rank 1 ...)") rather
+than two truncated ``repr``s of the whole.
 """
 
 from __future__ import annotations
 
 import collections
 import hashlib
+import json
 import logging
 import pickle
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -74,6 +80,7 @@ log = logging.getLogger("kareus")
 _MAX_POLL_S = 0.05
 _TELL_AFTER_S = 1.0  # a wait longer than this is logged: a silent one looks like a hang
 _REPR_CHARS = 200
+_PART_REPR_CHARS = 80
 
 
 class NegativeTimeoutError(KareusError, ValueError):
@@ -120,7 +127,8 @@ def agree(
     sizes, an extra compile) then wait only where one of them would rewrite.
 
     ``graph_key`` must be identical on every rank for the same graph (a structural hash);
-    ``decision`` must be picklable. The participants are the union of the global ranks of
+    ``decision`` must be picklable; a mapping's keys label its parts in a disagreement's
+    reason. The participants are the union of the global ranks of
     the groups; groups of the fake backend and a single participant agree trivially, without
     store traffic. ``store`` defaults to the default process group's store. Returns within
     about ``timeout_s``; every participant that returns gets the same verdict (see the module
@@ -143,24 +151,31 @@ def agree(
             raise RankNotInGroupsError(
                 f"rank {rank} is not in the groups {sorted(set(group_names))}"
             )
-        entry = _entry(decision)
-        return _settle(
-            _get_default_store() if store is None else store,
-            f"kareus/agree/{graph_key}/{','.join(map(str, sorted(participants)))}",
-            rank,
-            sorted(participants),
-            entry,
-            timeout_s,
-            falls_back,
-        )
+        store = _get_default_store() if store is None else store
+        prefix = f"kareus/agree/{graph_key}/{','.join(map(str, sorted(participants)))}"
+        if isinstance(decision, Mapping):
+            store.set(f"{prefix}/rank/{rank}/parts", _parts(decision))
+        return _settle(store, prefix, rank, sorted(participants), _entry(decision), timeout_s,
+                       falls_back)
+
+
+def _digest(value: object) -> str:
+    return hashlib.sha256(pickle.dumps(value, protocol=4)).hexdigest()
+
+
+def _short(value: object, chars: int) -> str:
+    text = repr(value)
+    return text if len(text) <= chars else text[: chars - 3] + "..."
 
 
 def _entry(decision: object) -> str:
-    digest = hashlib.sha256(pickle.dumps(decision, protocol=4)).hexdigest()
-    text = repr(decision)
-    if len(text) > _REPR_CHARS:
-        text = text[: _REPR_CHARS - 3] + "..."
-    return f"{digest} {text}"
+    return f"{_digest(decision)} {_short(decision, _REPR_CHARS)}"
+
+
+def _parts(decision: Mapping[str, object]) -> str:
+    """Each labelled part's digest and ``repr``, for a disagreement to name what differs."""
+    return json.dumps({str(label): [_digest(value), _short(value, _PART_REPR_CHARS)]
+                       for label, value in decision.items()})
 
 
 def _settle(
@@ -214,9 +229,36 @@ def _compare(store: dist.Store, prefix: str, participants: list[int]) -> str:
     digests = {e.split(" ", 1)[0] for e in entries.values()}
     if len(digests) == 1:
         return f"agree:{digests.pop()}"
+    differing = _differing_parts(store, prefix, participants)
+    if differing:
+        detail = "; ".join(
+            f"{label} (" + ", ".join(f"rank {r} {text}" for r, text in texts.items()) + ")"
+            for label, texts in differing.items()
+        )
+        return f"disagree:ranks decided differently in {detail}"
     parts = {r: e.partition(" ") for r, e in entries.items()}
     detail = ", ".join(f"rank {r} {text} (digest {d[:8]})" for r, (d, _, text) in parts.items())
     return f"disagree:ranks decided differently: {detail}"
+
+
+def _differing_parts(
+    store: dist.Store, prefix: str, participants: list[int]
+) -> dict[str, dict[int, str]]:
+    """The labelled parts whose digests differ across the participants, with each rank's
+    ``repr`` of them; empty where a participant's decision has no labelled parts (its
+    parts go in before its entry, so they are there for every rank with an entry) or the
+    labels differ."""
+    keys = [f"{prefix}/rank/{r}/parts" for r in participants]
+    if not store.check(keys):
+        return {}
+    parts = {r: json.loads(_text(store.get(k))) for r, k in zip(participants, keys, strict=True)}
+    labels = list(parts[participants[0]])
+    if any(list(p) != labels for p in parts.values()):
+        return {}
+    return {
+        label: {r: p[label][1] for r, p in parts.items()}
+        for label in labels if len({p[label][0] for p in parts.values()}) > 1
+    }
 
 
 def _adopt(

@@ -41,7 +41,8 @@ def agreed(
     decision, compiled = _rewritten(gm, analysis, decision)
     if analysis.collectives:
         verdict = agree(
-            compile_key, (decision.variant, decision.clock_mhz), _groups(analysis),
+            compile_key, {"variant": decision.variant, "clock": decision.clock_mhz},
+            _groups(analysis),
             timeout_s=timeout_s, falls_back=decision.variant is None,
         )
         if not verdict and decision.variant is not None:

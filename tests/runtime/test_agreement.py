@@ -84,6 +84,10 @@ def _session(rank: int, port: int, out: str) -> None:
         k = 2 if rank == 0 else 1
         return _outcome(agree, "different", ("r0/forward", k), world + world, timeout_s=3)
 
+    def labelled() -> dict:  # the graph's shapes differ across the ranks, the rest does not
+        decision = {"graph": f"hash-{rank}", "counts searched": (2, 4), "budget": None}
+        return _outcome(agree, "labelled", decision, world, timeout_s=3)
+
     def slow() -> dict:
         if rank == 1:
             time.sleep(1.5)
@@ -132,7 +136,7 @@ def _session(rank: int, port: int, out: str) -> None:
 
     results = {}
     try:
-        for scenario in (same, different, slow, extra, late, repeat, fallback, told):
+        for scenario in (same, different, labelled, slow, extra, late, repeat, fallback, told):
             _barrier(store, scenario.__name__)
             del records[:]
             try:
@@ -184,6 +188,13 @@ def test_different_decisions_fall_back_on_every_rank_with_one_reason(session):
     assert "rank 1 ('r0/forward', 1)" in r0["reason"]
     for logs in (session[0]["different_logs"], session[1]["different_logs"]):
         assert any(level == "INFO" and r0["reason"] in msg for level, msg in logs), logs
+
+
+def test_a_disagreement_on_labelled_parts_names_the_parts_that_differ(session):
+    r0, r1 = _scenario(session, "labelled")
+    assert not r0["agreed"] and r0["reason"] == r1["reason"]
+    assert r0["reason"] == ("ranks decided differently in graph (rank 0 'hash-0', "
+                            "rank 1 'hash-1')")
 
 
 def test_a_slow_rank_is_waited_for(session):
