@@ -153,10 +153,9 @@ def agree(
             )
         store = _get_default_store() if store is None else store
         prefix = f"kareus/agree/{graph_key}/{','.join(map(str, sorted(participants)))}"
-        if isinstance(decision, Mapping):
-            store.set(f"{prefix}/rank/{rank}/parts", _parts(decision))
-        return _settle(store, prefix, rank, sorted(participants), _entry(decision), timeout_s,
-                       falls_back)
+        parts = _parts(decision) if isinstance(decision, Mapping) else None
+        return _settle(store, prefix, rank, sorted(participants), _entry(decision), parts,
+                       timeout_s, falls_back)
 
 
 def _digest(value: object) -> str:
@@ -180,13 +179,15 @@ def _parts(decision: Mapping[str, object]) -> str:
 
 def _settle(
     store: dist.Store, prefix: str, rank: int, participants: list[int], entry: str,
-    timeout_s: float, falls_back: bool,
+    parts: str | None, timeout_s: float, falls_back: bool,
 ) -> Verdict:
     verdict_key = f"{prefix}/verdict"
     digest = entry.split(" ", 1)[0]
     if store.check([verdict_key]):
         return _adopt(store.get(verdict_key), digest, prefix, sticky=True)
 
+    if parts is not None:  # before the entry: whoever sees the entry finds them
+        store.set(f"{prefix}/rank/{rank}/parts", parts)
     store.set(f"{prefix}/rank/{rank}", entry)
     if falls_back:
         proposal = f"disagree:rank {rank} falls back ({entry.partition(' ')[2]})"
