@@ -109,6 +109,18 @@ def _resize_slice(node: torch.fx.Node, args: tuple, p: NodePlacement, k: int) ->
     return args
 
 
+def _resize_all_to_all(node: torch.fx.Node, args: tuple, p: NodePlacement, k: int) -> tuple:
+    """An all-to-all of split rows (even blocks, ``rules.all_to_all``): each rank's block
+    holds one nanobatch's share."""
+    if not isinstance(p, Split) or p.dim != 0:
+        return args
+    resized = list(args)
+    for name in ("output_split_sizes", "input_split_sizes"):
+        index = position(node, name)
+        resized[index] = [size // k for size in args[index]]
+    return tuple(resized)
+
+
 # -- the table --------------------------------------------------------------------------
 
 _FREE = OpFacts(Cost.FREE)
@@ -254,7 +266,7 @@ _ENTRIES: dict[object, OpFacts] = {
     c10d.all_reduce: OpFacts(Cost.MEMORY, rules.all_reduce),
     c10d.all_gather_into_tensor: OpFacts(Cost.MEMORY, rules.all_gather),
     c10d.reduce_scatter_tensor: OpFacts(Cost.MEMORY, rules.reduce_scatter),
-    c10d.all_to_all_single: OpFacts(Cost.MEMORY, rules.all_to_all),
+    c10d.all_to_all_single: OpFacts(Cost.MEMORY, rules.all_to_all, _resize_all_to_all),
 }
 
 

@@ -20,7 +20,9 @@ Placements (DESIGN.md section 3), propagated through the graph from its inputs:
 A rule (one per op, found in ``ops.OP_TABLE``) returns a placement or a ``Reason`` saying
 why it cannot split, of a kind that reports and tests group by. Rules cover the ops of the
 post-AOT graphs of Llama-family models as torchtitan and Hugging Face write them, under
-tensor, sequence and loss parallelism.
+tensor, sequence and loss parallelism, and all-to-alls whose split sizes every rank knows
+(sequence parallelism over heads); an MoE's token exchange, whose sizes are token counts,
+ends a split region.
 """
 
 from __future__ import annotations
@@ -186,6 +188,7 @@ _partial_sum = functools.partial(Reason, ReasonKind.PARTIAL_SUM, None)
 _random = functools.partial(Reason, ReasonKind.RANDOM, None)
 _per_nanobatch_value = functools.partial(Reason, ReasonKind.PER_NANOBATCH_VALUE, None)
 _unsupported_form = functools.partial(Reason, ReasonKind.UNSUPPORTED_FORM, None)
+_data_dependent_sizes = functools.partial(Reason, ReasonKind.DATA_DEPENDENT_SIZES, None)
 
 
 def _norm(dim: int, ndim: int) -> int:
@@ -844,8 +847,34 @@ def reduce_scatter(ctx: RuleContext) -> NodePlacement | Reason:
     return Split(0) if p.blocks == n else _along_split_dim("reduce-scatter along the batch dim")
 
 
-def all_to_all(ctx: RuleContext) -> Reason:
-    return _unsupported_form(
-        "all-to-all (expert parallelism): its split sizes are data-dependent, "
-        "not yet split per nanobatch"
-    )
+def all_to_all(ctx: RuleContext) -> NodePlacement | Reason:
+    """Rows (dim 0) leave in ``input_split_sizes`` blocks, one per rank, and arrive in
+    ``output_split_sizes`` blocks. A split along another dim travels with its rows, and a
+    partial sum stays one (the exchange is linear), whatever the sizes. Along dim 0 a
+    nanobatch must send its share of every rank's block: a split into blocks that refine
+    the ranks' blocks, with even sizes, the same on every rank. Sizes computed in the graph
+    or uneven (an MoE's token counts) vary by rank, so no share is known on every rank."""
+    p = _input(ctx)
+    if not isinstance(p, Split):
+        return _replicate_or_partial(p)
+    if p.dim != 0:
+        return p
+    sent, received = ctx.arg("input_split_sizes"), ctx.arg("output_split_sizes")
+    sizes = [*sent, *received]
+    if not all(isinstance(s, int) for s in sizes):
+        return _data_dependent_sizes(
+            "all-to-all of split rows with split sizes computed in the graph (token counts): "
+            "a nanobatch's share of each rank's rows is not known on every rank"
+        )
+    rows, n = _shape_of(ctx.arg("input"))[0], len(sent)
+    if any(s * n != rows for s in sizes):
+        return _data_dependent_sizes(
+            f"all-to-all of split rows with uneven split sizes (sent {list(sent)}, received "
+            f"{list(received)}): they vary by rank, a nanobatch's share is not known on every rank"
+        )
+    if p.blocks % n:
+        return _along_split_dim(
+            f"all-to-all of rows split in {p.blocks} block(s) over {n} ranks: a nanobatch's "
+            "rows are not its share of every rank's block"
+        )
+    return p

@@ -19,6 +19,7 @@ class ReasonKind(str, Enum):
     RANDOM = "random"  # splitting would change the random stream
     PER_NANOBATCH_VALUE = "per-nanobatch-value"  # a per-nanobatch value cannot be joined
     UNSUPPORTED_FORM = "unsupported-form"  # a form of the op the rule does not split
+    DATA_DEPENDENT_SIZES = "data-dependent-sizes"  # sizes that vary by rank (token counts)
     # A nanobatch count does not apply to a graph.
     NO_SPLIT_INPUT = "no-split-input"
     NOT_DIVISIBLE = "not-divisible"

@@ -1,0 +1,170 @@
+"""All-to-alls split into nanobatches where every rank knows a nanobatch's share of them.
+
+Sequence parallelism over heads (DeepSpeed-Ulysses's layout): each rank holds a shard of
+the sequence; around attention one all-to-all trades it for a group of heads over the
+whole sequence, another trades it back. The exchange moves blocks of the heads dim, so a
+split of the batch travels with them and each nanobatch's all-to-all moves its own rows:
+both all-to-alls split, forward and backward, and the step computes what it did.
+
+An MoE's token exchange (an EP all-to-all of routed tokens) has split sizes that are token
+counts: uneven, different on every rank, or computed in the graph. No rank knows another's
+share of a nanobatch, so that exchange ends the split region with a typed reason.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from conftest import analysed
+from gloo import leave, report, run_ranks
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.testing import FileCheck
+
+from kareus import KareusBackend, ReasonKind
+from kareus.codegen.apply import apply
+from kareus.passes.decide import Policy, decide
+from kareus.passes.ops import OP_TABLE
+from kareus.passes.placement import Split, propagate
+
+A2A = "torch.ops._c10d_functional.all_to_all_single.default"
+
+
+class UlyssesAttention(torch.nn.Module):
+    """Causal self-attention on a sequence shard ``[batch, seq / P, dim]`` of P ranks."""
+
+    def __init__(self, dim: int = 32, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, x):
+        batch, shard, _ = x.shape
+        # each rank: its head group over the whole sequence, [b, s, h/P, d] -> [b, h/P, s, d]
+        q, k, v = (_exchange(p(x).view(batch, shard, self.heads, -1), 2, 1).transpose(1, 2)
+                   for p in (self.q, self.k, self.v))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # back to its sequence shard with every head: [b, s/P, h, d]
+        return x + self.o(_exchange(o.transpose(1, 2), 1, 2).reshape(batch, shard, -1))
+
+
+def _exchange(t, scatter_dim, gather_dim):
+    """``t`` with ``scatter_dim`` split over the ranks (rank ``p`` gets block ``p``) and
+    ``gather_dim`` gathered from them, in rank order: one all-to-all of equal blocks."""
+    ranks = dist.get_world_size()
+    blocks = t.unflatten(scatter_dim, (ranks, -1)).movedim(scatter_dim, 0).contiguous()
+    out = funcol.all_to_all_single_autograd(blocks, None, None, dist.group.WORLD)
+    return out.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
+
+
+def test_ulysses_all_to_alls_split_forward_and_backward(fake_pg):
+    torch.manual_seed(0)
+    graphs = analysed(UlyssesAttention(), torch.randn(4, 8, 32))
+    assert [g.kind for g, _ in graphs] == ["forward", "backward"]
+    for g, analysis in graphs:
+        kinds = [c.kind for c in analysis.collectives]
+        assert kinds == ["all_to_all"] * 4, (g.kind, kinds)  # q, k, v and back
+        placed = analysis.placements_at(2).placements
+        assert all(isinstance(placed[c.node], Split) for c in analysis.collectives), g.kind
+        decision = decide(analysis, Policy(2))
+        assert decision.choice.nanobatches == 2, (g.kind, decision.fallback)
+        code = apply(g.gm, analysis, decision.choice).code
+        FileCheck().check_count(A2A, 8, exactly=True).run(code)
+        # a nanobatch's exchange moves its own rows: the sizes are the head blocks, per rank
+        FileCheck().check(f"{A2A}(").check("[1, 1], [1, 1]").run(code)
+
+
+def _moe_exchange(tokens, sent, received):
+    """Routed tokens out to their experts' ranks and back: the exchange of an EP MoE."""
+    routed = funcol.all_to_all_single(torch.relu(tokens), received, sent, dist.group.WORLD)
+    return funcol.all_to_all_single(routed * 2, sent, received, dist.group.WORLD)
+
+
+@pytest.mark.parametrize(
+    "sent, received, kind",
+    [
+        # even blocks, but a nanobatch's rows are not its share of every rank's block
+        ([4, 4], [4, 4], ReasonKind.ALONG_SPLIT_DIM),
+        ([5, 3], [2, 6], ReasonKind.DATA_DEPENDENT_SIZES),
+    ],
+)
+def test_token_exchange_with_rank_varying_counts_ends_the_split_region(
+    fake_pg, sent, received, kind
+):
+    gm = make_fx(lambda x: _moe_exchange(x, sent, received))(torch.randn(8, 16))
+    (x,) = gm.graph.find_nodes(op="placeholder")
+    result = propagate(gm.graph, {x: Split(0)}, 2, OP_TABLE)
+    (barrier,) = result.barriers
+    assert barrier.node == "all_to_all_single"
+    assert barrier.kind is kind, barrier
+    # the same exchange of blocks that refine each rank's block splits
+    blocked = make_fx(lambda x: _moe_exchange(torch.cat([x, -x]), [8, 8], [8, 8]))(
+        torch.randn(8, 16)
+    )
+    (x,) = blocked.graph.find_nodes(op="placeholder")
+    result = propagate(blocked.graph, {x: Split(0)}, 2, OP_TABLE)
+    assert result.barriers == ()
+    exchanged = blocked.graph.find_nodes(
+        op="call_function", target=torch.ops._c10d_functional.all_to_all_single.default
+    )
+    assert [result.placements[n] for n in exchanged] == [Split(0, 2)] * 2
+
+
+def test_token_counts_computed_in_the_graph_end_the_split_region(fake_pg):
+    def fn(tokens, counts):
+        sent = counts.tolist()
+        return _moe_exchange(tokens, sent, sent[::-1])
+
+    gm = make_fx(fn, tracing_mode="symbolic")(torch.randn(8, 16), torch.tensor([3, 5]))
+    tokens = next(iter(gm.graph.find_nodes(op="placeholder")))
+    (barrier, *_) = propagate(gm.graph, {tokens: Split(0)}, 2, OP_TABLE).barriers
+    assert barrier.kind is ReasonKind.DATA_DEPENDENT_SIZES
+    assert "computed in the graph" in barrier.detail
+
+
+def _dense(model, x):
+    """``model``'s attention without parallelism, on the whole sequence."""
+    b, s, _ = x.shape
+    q, k, v = (p(x).view(b, s, model.heads, -1).transpose(1, 2)
+               for p in (model.q, model.k, model.v))
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return x + model.o(o.transpose(1, 2).reshape(b, s, -1))
+
+
+def _worker(rank, port, out_dir, lowering):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        model = UlyssesAttention()
+        shards = [torch.randn(4, 8, 32, generator=torch.Generator().manual_seed(r)) for r in (0, 1)]
+        x = shards[rank]
+        runs = {}
+        backend = KareusBackend({"nanobatches": 2, "lowering": lowering, "profile": "off"})
+        for name, run in (("eager", model), ("kareus", torch.compile(model, backend=backend))):
+            out = run(x)
+            out.square().mean().backward()
+            runs[name] = out.detach(), [p.grad.clone() for p in model.parameters()]
+            model.zero_grad()
+        (ref, ref_grads), (out, grads) = runs["eager"], runs["kareus"]
+        with torch.no_grad():  # the layout itself: attention over the whole sequence, on one rank
+            dense = _dense(model, torch.cat(shards, dim=1))[:, 8 * rank : 8 * (rank + 1)]
+        report(out_dir, rank, {
+            "layout_diff": (ref - dense).abs().max().item(),
+            "out_diff": (out - ref).abs().max().item(),
+            "grad_diff": max((a - b).abs().max().item()
+                             for a, b in zip(grads, ref_grads, strict=True)),
+            "graphs": [(r.kind, r.choice.nanobatches, r.coverage.split, r.coverage.total)
+                       for r in backend.reports()],
+        })
+    finally:
+        dist.destroy_process_group()
+    leave()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lowering", ["eager", "inductor"])
+def test_ulysses_attention_split_into_nanobatches_is_exact_on_gloo(lowering):
+    for result in run_ranks(_worker, lowering):
+        assert result["layout_diff"] < 1e-5, result
+        assert result["out_diff"] < 1e-5 and result["grad_diff"] < 1e-5, result
+        assert result["graphs"] == [("forward", 2, 4, 4), ("backward", 2, 4, 4)], result
