@@ -547,7 +547,14 @@ class _PartitionEmitter:
             raise CannotRewrite(
                 f"partition {partition.index}: its collective is not split into nanobatches"
             )
-        self.computed = [n for n in partition.nodes if not isinstance(place[n], Whole)]
+        # An item of a value computed elsewhere (a tuple: an attention backward's gradients)
+        # comes in as an input of its own, a tensor, like the values it is taken from.
+        self.computed = []
+        for n in partition.nodes:
+            if not isinstance(place[n], Whole) and not (
+                n.target is _getitem and n.args[0] not in self.computed
+            ):
+                self.computed.append(n)
         self.graph = torch.fx.Graph()
         self.env: dict[torch.fx.Node, torch.fx.Node] = {}
         self.slices: dict[tuple[torch.fx.Node, int], torch.fx.Node] = {}

@@ -1,5 +1,7 @@
 """One partition materialised alone, as the profiler measures it."""
 
+import operator
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -79,3 +81,23 @@ def test_barriers_stay_out_and_whole_values_come_in_sliced(fake_pg):
             for slot in range(len(p.slots) + 1):
                 waited, *sinks = partition_workload(p, a.placements[2], 2, slot, world_size=2).run()
                 assert waited.shape[0] == 2 and all(s.shape[0] in (2, 16, 8) for s in sinks)
+
+
+def test_items_of_a_tuple_computed_elsewhere_come_in_as_tensors(fake_pg):
+    # Sequence parallelism over heads: the attention backward ends one partition and each
+    # of its gradients (items of its tuple) is the all-to-all of a later one.
+    from test_all_to_all import UlyssesAttention
+
+    torch.manual_seed(0)
+    _, (_, backward) = analysed(UlyssesAttention(), torch.randn(4, 8, 32))
+    place = backward.placements[2]
+    attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    reading = [p for p in backward.partitioning.partitions
+               if any(n.target is operator.getitem and n.args[0].target is attention
+                      and n.args[0] not in p.nodes for n in p.nodes)]
+    assert reading, "no partition takes the attention's gradients from another"
+    for p in reading:
+        workload = partition_workload(p, place, 2, 0, world_size=2)
+        assert "operator.getitem" not in workload.gm.code  # the items are its inputs
+        waited, *_ = workload.run()
+        assert waited.shape[1] == 2  # the other nanobatch's all-to-all: half the batch
