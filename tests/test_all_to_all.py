@@ -25,7 +25,7 @@ from kareus import KareusBackend, ReasonKind
 from kareus.codegen.apply import apply
 from kareus.passes.decide import Policy, decide
 from kareus.passes.ops import OP_TABLE
-from kareus.passes.placement import Split, propagate
+from kareus.passes.placement import PARTIAL, Split, propagate
 
 A2A = "torch.ops._c10d_functional.all_to_all_single.default"
 
@@ -168,3 +168,20 @@ def test_ulysses_attention_split_into_nanobatches_is_exact_on_gloo(lowering):
         assert result["layout_diff"] < 1e-5, result
         assert result["out_diff"] < 1e-5 and result["grad_diff"] < 1e-5, result
         assert result["graphs"] == [("forward", 2, 4, 4), ("backward", 2, 4, 4)], result
+
+
+def test_partial_sums_and_splits_off_the_exchanged_dim_pass_any_sizes(fake_pg):
+    # the exchange is linear and moves whole rows: uneven sizes are fine for these
+    def fn(x):
+        gram = funcol.all_to_all_single(x.t() @ x, [5, 3], [6, 2], dist.group.WORLD)
+        columns = funcol.all_to_all_single(x.t().contiguous(), [5, 3], [6, 2], dist.group.WORLD)
+        return gram, columns
+
+    gm = make_fx(fn)(torch.randn(4, 8))
+    (x,) = gm.graph.find_nodes(op="placeholder")
+    result = propagate(gm.graph, {x: Split(0)}, 2, OP_TABLE)
+    exchanged = gm.graph.find_nodes(
+        op="call_function", target=torch.ops._c10d_functional.all_to_all_single.default
+    )
+    assert [result.placements[n] for n in exchanged] == [PARTIAL, Split(1)]
+    assert result.barriers == ()
