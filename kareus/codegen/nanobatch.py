@@ -41,6 +41,7 @@ from kareus.passes.collectives import Collective
 from kareus.passes.ops import OP_TABLE, OpTable, Resize
 from kareus.passes.partition import GraphPartitioning, Partition, canonical_order
 from kareus.passes.placement import (
+    Aligned,
     Local,
     NodePlacement,
     Partial,
@@ -48,6 +49,7 @@ from kareus.passes.placement import (
     Replicate,
     Split,
     Whole,
+    computed_once,
     per_nanobatch,
     sliced_dim,
 )
@@ -216,6 +218,8 @@ def _sliced_operand_dim(
     op pairs it element by element with its split operands (an elementwise op's operand
     spanning the split dim, a per-sample attention mask). None: used as is."""
     p = place[node]
+    if isinstance(place[arg], Aligned):
+        return place[arg].rows.dim  # the rules took it for that split
     if not isinstance(place[arg], (Replicate, Whole)):
         return None
     facts = table.facts_of(node)
@@ -254,7 +258,7 @@ def _segment_plans(
                 partition=part.index if part else None,
                 replicated=tuple(n for n in order if isinstance(nodes[n].placement, Replicate)),
                 slots=_split_by_slot(order, slots, nodes),
-                whole=tuple(n for n in order if isinstance(nodes[n].placement, Whole)),
+                whole=tuple(n for n in order if computed_once(nodes[n].placement)),
                 collective_split=coll is not None and nodes[coll.node].split,
             )
         )
@@ -551,7 +555,7 @@ class _PartitionEmitter:
         # comes in as an input of its own, a tensor, like the values it is taken from.
         self.computed = []
         for n in partition.nodes:
-            if not isinstance(place[n], Whole) and not (
+            if not computed_once(place[n]) and not (
                 n.target is _getitem and n.args[0] not in self.computed
             ):
                 self.computed.append(n)

@@ -27,7 +27,7 @@ from kareus.passes.interface import (
 )
 from kareus.passes.ops import OP_TABLE, OpTable
 from kareus.passes.partition import GraphPartitioning, graph_hash, partition_graph
-from kareus.passes.placement import PlacementResult, Split, per_nanobatch, propagate
+from kareus.passes.placement import Aligned, PlacementResult, Split, per_nanobatch, propagate
 from kareus.passes.reasons import Reason, ReasonKind
 from kareus.passes.variants import NANOBATCH_COUNTS, VariantSpace, variant_space
 
@@ -155,6 +155,7 @@ def feasibility(
         return Reason(ReasonKind.NO_SPLIT_INPUT, None, "no graph input is split along a batch dim")
     for node, p in result.placements.items():
         for q in p if isinstance(p, tuple) else (p,):
+            q = q.rows if isinstance(q, Aligned) else q  # sliced per nanobatch like a split
             if isinstance(q, Split) and node.op != "output":
                 size = _split_size(node, p, q)
                 if size is not None and size % (k * q.blocks):

@@ -17,7 +17,14 @@ import torch
 import torch.fx
 from torch.utils._pytree import tree_leaves
 
-from kareus.passes.placement import REPLICATE, NodePlacement, PlacementResult, Split
+from kareus.passes.placement import (
+    REPLICATE,
+    Aligned,
+    NodePlacement,
+    PlacementResult,
+    RowIds,
+    Split,
+)
 
 
 @dataclass(frozen=True)
@@ -71,15 +78,18 @@ def backward_inputs(
 def _as_input(p: NodePlacement | None) -> NodePlacement:
     """A forward value as the backward receives it: whole, joined from its pieces.
 
-    Split again where the forward split it along one dim; anything else is, to the
+    Split again where the forward split it along one dim, or laid it out so; row ids stay
+    row ids (the same value: the forward computed it once). Anything else is, to the
     backward, one full tensor used as is (replicated): a joined sum, nanobatch 0's
     attention seed (unused without dropout, which the rules refuse), a value the forward
     computed on the whole batch. Its consumers slice it where they pair it element by
     element with split values, so the backward's split region does not end there.
     """
+    if isinstance(p, Aligned):
+        p = p.rows  # the very value the forward computed once, laid out like the batch
     if isinstance(p, Split) and p.blocks == 1:
         return p
-    return REPLICATE
+    return p if isinstance(p, RowIds) else REPLICATE
 
 
 def _tensor(node: torch.fx.Node) -> torch.Tensor | None:

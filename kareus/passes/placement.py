@@ -15,7 +15,11 @@ Placements (DESIGN.md section 3), propagated through the graph from its inputs:
 - ``Whole(reason)``: computed once from the whole batch. An op without a rule, or whose
   inputs a rule cannot keep split, becomes such a barrier: its split inputs are joined
   (concatenated, or summed) first, so the result is always right, and ``reason`` (a
-  ``Reason``) says why the split region ended there.
+  ``Reason``) says why the split region ended there. Two kinds of whole value carry what
+  lets the split resume after them: ``RowIds(reason, extent)``, ids of the rows of a split
+  dim of ``extent`` rows (a sort's indices along the split dim), and ``Aligned(reason,
+  rows)``, a value laid out like the split ``rows`` (those ids' rows scattered back into
+  batch order), which every rule sees as that split and the rewrite slices per nanobatch.
 
 A rule (one per op, found in ``ops.OP_TABLE``) returns a placement or a ``Reason`` saying
 why it cannot split, of a kind that reports and tests group by. Rules cover the ops of the
@@ -68,12 +72,35 @@ class Whole:
     reason: Reason
 
 
+@dataclass(frozen=True)
+class RowIds(Whole):
+    """Computed once: ids of the rows of a dim split into nanobatches, ``extent`` rows in
+    all; ``permutation``: each id once (a sort's indices)."""
+
+    extent: int
+    permutation: bool
+
+
+@dataclass(frozen=True)
+class Aligned(Whole):
+    """Computed once, laid out like the split ``rows``: a nanobatch may take its slice."""
+
+    rows: Split
+
+
 Placement = Split | Replicate | Partial | Local | Whole
 NodePlacement = Placement | tuple[Placement, ...]
 
 REPLICATE = Replicate()
 PARTIAL = Partial()
 LOCAL = Local()
+
+
+def computed_once(p: NodePlacement) -> bool:
+    """Whether a node with this placement is computed once, on the whole batch (a barrier)."""
+    if isinstance(p, tuple):
+        return all(computed_once(q) for q in p)
+    return isinstance(p, Whole)
 
 
 def per_nanobatch(p: NodePlacement) -> bool:
@@ -106,7 +133,14 @@ class RuleContext:
         if not isinstance(arg, torch.fx.Node):
             return REPLICATE
         p = self._placements[arg]
+        if isinstance(p, Aligned):
+            return p.rows
         return REPLICATE if isinstance(p, Whole) else p
+
+    def whole(self, arg: object) -> Whole | None:
+        """``arg``'s placement where it is computed once (what ids-aware rules read)."""
+        p = self._placements.get(arg) if isinstance(arg, torch.fx.Node) else None
+        return p if isinstance(p, Whole) else None
 
     def arg(self, name: str, default: object = None) -> object:
         return self.args.get(name, default)
@@ -158,16 +192,27 @@ def _place(
         return source[node.args[1]] if isinstance(source, tuple) else source
     if all(isinstance(p, Replicate) for p in flat):
         return REPLICATE
-    if all(isinstance(p, (Replicate, Whole)) for p in flat):
-        # Computed once from values computed once: no new barrier.
-        return next(p for p in flat if isinstance(p, Whole))
     rule = table.rule(node.target)
+    if all(isinstance(p, (Replicate, Whole)) for p in flat):
+        # Computed once from values computed once: no new barrier. Unless the rule resumes
+        # the split from an aligned value, or finds row ids or batch order again.
+        whole = Whole(next(p for p in flat if isinstance(p, Whole)).reason)
+        if rule is None or not any(isinstance(p, (RowIds, Aligned)) for p in flat):
+            return whole
+        result = rule(RuleContext(node, k, placements))
+        resumed = not isinstance(result, Reason) and (
+            per_nanobatch(result) or isinstance(result, (RowIds, Aligned))
+        )
+        return result if resumed else whole
     result = (
         rule(RuleContext(node, k, placements))
         if rule
         else Reason(ReasonKind.NO_RULE, None, f"no placement rule for {node.target}")
     )
     if not isinstance(result, Reason):
+        barrier = _own_barrier(node, result)
+        if barrier is not None:
+            barriers.append(barrier)
         return result
     detail = result.detail
     if result.kind is not ReasonKind.PER_NANOBATCH_VALUE and any(
@@ -178,6 +223,14 @@ def _place(
     reason = replace(result, node=node.name, detail=detail)
     barriers.append(reason)
     return Whole(reason)
+
+
+def _own_barrier(node: torch.fx.Node, result: NodePlacement) -> Reason | None:
+    """The reason of a whole value a rule returns for ``node`` itself (a sort's row ids)."""
+    for p in result if isinstance(result, tuple) else (result,):
+        if isinstance(p, Whole) and p.reason.node == node.name:
+            return p.reason
+    return None
 
 
 # Why a rule cannot split, by kind; ``_place`` names the node.
@@ -561,10 +614,13 @@ def index_select(ctx: RuleContext) -> NodePlacement | Reason:
 
 
 def index(ctx: RuleContext) -> NodePlacement | Reason:
-    """``input[..., idx, ...]``: replicated index tensors on dims other than the split one."""
+    """``input[..., idx, ...]``: replicated index tensors on dims other than the split one,
+    or the rows of a whole value picked by split ids."""
     p = _input(ctx)
     indices = list(ctx.arg("indices"))
     used = [d for d, i in enumerate(indices) if i is not None]
+    if isinstance(p, Replicate) and used == [0] and isinstance(ctx.pl(indices[0]), Split):
+        return ctx.pl(indices[0])  # rows of a whole value picked by split ids
     if not isinstance(p, Split) or any(not isinstance(ctx.pl(indices[d]), Replicate) for d in used):
         return _unsupported_form("indexing an unsplit value, or with split indices")
     if p.dim in used:
@@ -671,6 +727,37 @@ def along_dim(ctx: RuleContext) -> NodePlacement | Reason:
     if p.dim == dim:
         return _along_split_dim(f"{ctx.node.target} along the split dim")
     return (p,) * len(ctx.out) if isinstance(ctx.out, (tuple, list)) else p
+
+
+def sort(ctx: RuleContext) -> NodePlacement | Reason:
+    """Sorting along the split dim mixes the batch: computed once. Its indices, for a 1-D
+    value split along it (an MoE sorting its tokens' slots by expert), are row ids: where
+    each sorted element came from, which lets its rows be put back in batch order."""
+    result, shape = along_dim(ctx), _shape_of(ctx.arg("input"))
+    if (
+        isinstance(result, Reason)
+        and result.kind is ReasonKind.ALONG_SPLIT_DIM
+        and _input(ctx) == Split(0)
+        and len(shape) == 1
+    ):
+        reason = replace(result, node=ctx.node.name)
+        return Whole(reason), RowIds(reason, shape[0], permutation=True)
+    return result
+
+
+def floor_divide(ctx: RuleContext) -> NodePlacement | Reason:
+    """Row ids floor-divided by ``c``: the ids of groups of ``c`` rows (the token of a top-k
+    slot), rows of a split dim too where no group spans two nanobatches."""
+    ids, divisor = ctx.whole(ctx.arg("input")), ctx.arg("other")
+    if (
+        isinstance(ids, RowIds)
+        and ctx.arg("rounding_mode", "floor") == "floor"
+        and isinstance(divisor, int)
+        and divisor > 0
+        and ids.extent % (divisor * ctx.k) == 0
+    ):
+        return RowIds(ids.reason, ids.extent // divisor, permutation=False)
+    return pointwise(ctx)
 
 
 def softmax_backward(ctx: RuleContext) -> NodePlacement | Reason:
@@ -799,10 +886,36 @@ def _accumulate_into_zeros(
     return PARTIAL
 
 
+def _scatter_to_rows(ctx: RuleContext, base: object, ids: RowIds) -> NodePlacement | Reason:
+    """Values computed once, written to the rows their ids name in a fresh tensor: added
+    into zeros, or each row written once (a permutation's inverse). The result is laid out
+    like the rows the ids are of, so the split resumes from it."""
+    accumulate = ctx.arg("accumulate", False)
+    fresh = (
+        isinstance(base, torch.fx.Node)
+        and isinstance(ctx.pl(base), Replicate)
+        and _shape_of(base)[:1] == (ids.extent,)
+        and (
+            base.target is aten.full.default and base.args[1] == 0
+            if accumulate
+            else ids.permutation and base.target in (aten.full.default, aten.empty.memory_format)
+        )
+    )
+    if not fresh:
+        return _unsupported_form(
+            "scatter by row ids into a tensor other than fresh zeros (adding) or a fresh "
+            "tensor each row of which a permutation writes once"
+        )
+    return Aligned(ids.reason, Split(0))
+
+
 def index_put(ctx: RuleContext) -> NodePlacement | Reason:
     """``x[mask] = value`` with a boolean mask split like ``x`` and a replicated value; or
     a scatter-add of the batch into zeros."""
     x, indices, values = ctx.arg("input"), ctx.arg("indices"), ctx.arg("values")
+    ids = ctx.whole(indices[0]) if len(indices) == 1 else None
+    if isinstance(ids, RowIds) and isinstance(ctx.pl(values), Replicate):
+        return _scatter_to_rows(ctx, x, ids)
     if ctx.arg("accumulate", False):
         return _accumulate_into_zeros(ctx, x, [*indices, values])
     p = ctx.pl(x)

@@ -246,7 +246,9 @@ def hf_qwen3_auto(setup: ZooSetup) -> ZooModel:
     return ZooModel(model, lambda step: make_batch(step, shifted=False), _hf_loss)
 
 
-def hf_mixtral_ep(setup: ZooSetup, *, capture_scalars: bool = False) -> ZooModel:
+def hf_mixtral_ep(
+    setup: ZooSetup, *, capture_scalars: bool = False, ep_implementation: str = "all_to_all"
+) -> ZooModel:
     """A tiny Mixtral (4 experts, top-2): TP 2 on attention, EP 2 on the experts.
 
     ``DistributedConfig(tp_size=2, ep_size=2)`` applies ``base_model_tp_plan`` to the
@@ -262,6 +264,11 @@ def hf_mixtral_ep(setup: ZooSetup, *, capture_scalars: bool = False) -> ZooModel
     ``capture_scalars``: by default the ``.tolist()`` breaks the graph at every MoE layer;
     with ``capture_scalar_outputs`` the split sizes become unbacked symbols and the token
     all-to-alls land in the graphs with data-dependent sizes.
+
+    ``ep_implementation="all_reduce"``: transformers' other EP for a batch the EP group
+    shares (EP = TP here): every rank runs its experts on all tokens, routes to the other
+    rank's experts masked, and an all-reduce sums the outputs. No tokens move and no size is
+    read back, so the step is one forward and one backward graph.
     """
     from transformers import MixtralConfig, MixtralForCausalLM
     from transformers.distributed import DistributedConfig
@@ -276,7 +283,8 @@ def hf_mixtral_ep(setup: ZooSetup, *, capture_scalars: bool = False) -> ZooModel
     model = _hf_from_pretrained(
         MixtralForCausalLM, path,
         DistributedConfig(
-            tp_size=setup.world_size, ep_size=setup.world_size, ep_implementation="all_to_all"
+            tp_size=setup.world_size, ep_size=setup.world_size,
+            ep_implementation=ep_implementation,
         ),
     )
     return ZooModel(
@@ -295,6 +303,7 @@ BUILDERS: dict[str, Callable[[ZooSetup], ZooModel]] = {
     "hf-qwen3-auto": hf_qwen3_auto,
     "hf-mixtral-ep": hf_mixtral_ep,
     "hf-mixtral-ep-scalars": lambda setup: hf_mixtral_ep(setup, capture_scalars=True),
+    "hf-mixtral-ep-allreduce": lambda setup: hf_mixtral_ep(setup, ep_implementation="all_reduce"),
 }
 
 # What each model needs installed (tests skip when it is missing).
