@@ -596,10 +596,16 @@ class _PartitionEmitter:
         self.env[node] = _create(self.graph, node.op, node.target, args, kwargs)
 
     def _issue(self, other: torch.fx.Node, group_name: str | None) -> torch.fx.Node:
-        """The other nanobatch's collective, on its input ``other``."""
+        """The other nanobatch's collective, on its input ``other`` (whole where the
+        rewrite slices that input per nanobatch: an aligned value computed once)."""
         node = self.partition.collective.node
+
+        def slice_other(arg: torch.fx.Node, dim: int) -> torch.fx.Node:
+            args = _slice_args(other, arg, dim, self.k, 1)
+            return _create(self.graph, "call_function", aten.slice.Tensor, args, None)
+
         args, kwargs = _copy_args(
-            node, self.nodes[node], self.k, lambda a: other, self._slice, group_name
+            node, self.nodes[node], self.k, lambda a: other, slice_other, group_name
         )
         return _create(self.graph, "call_function", node.target, args, kwargs)
 

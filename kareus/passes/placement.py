@@ -886,10 +886,15 @@ def _accumulate_into_zeros(
     return PARTIAL
 
 
-def _scatter_to_rows(ctx: RuleContext, base: object, ids: RowIds) -> NodePlacement | Reason:
-    """Values computed once, written to the rows their ids name in a fresh tensor: added
+def _scatter_to_rows(
+    ctx: RuleContext, base: object, ids: RowIds, values: object
+) -> NodePlacement | Reason:
+    """Values written to the rows their ids name in a fresh tensor, computed once: added
     into zeros, or each row written once (a permutation's inverse). The result is laid out
-    like the rows the ids are of, so the split resumes from it."""
+    like the rows the ids are of, so the split resumes from it. Split values (gradients
+    summed over nanobatches) are joined first: one scatter, not one per nanobatch."""
+    if isinstance(ctx.pl(values), Local):
+        return _per_nanobatch_value("scatter of a per-nanobatch value by row ids")
     accumulate = ctx.arg("accumulate", False)
     fresh = (
         isinstance(base, torch.fx.Node)
@@ -906,6 +911,9 @@ def _scatter_to_rows(ctx: RuleContext, base: object, ids: RowIds) -> NodePlaceme
             "scatter by row ids into a tensor other than fresh zeros (adding) or a fresh "
             "tensor each row of which a permutation writes once"
         )
+    if per_nanobatch(ctx.pl(values)):
+        joined = _along_split_dim("scatter by row ids, once on the joined values")
+        return Aligned(replace(joined, node=ctx.node.name), Split(0))
     return Aligned(ids.reason, Split(0))
 
 
@@ -914,8 +922,8 @@ def index_put(ctx: RuleContext) -> NodePlacement | Reason:
     a scatter-add of the batch into zeros."""
     x, indices, values = ctx.arg("input"), ctx.arg("indices"), ctx.arg("values")
     ids = ctx.whole(indices[0]) if len(indices) == 1 else None
-    if isinstance(ids, RowIds) and isinstance(ctx.pl(values), Replicate):
-        return _scatter_to_rows(ctx, x, ids)
+    if isinstance(ids, RowIds):
+        return _scatter_to_rows(ctx, x, ids, values)
     if ctx.arg("accumulate", False):
         return _accumulate_into_zeros(ctx, x, [*indices, values])
     p = ctx.pl(x)

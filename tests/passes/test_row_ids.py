@@ -20,6 +20,20 @@ from kareus.codegen.apply import apply
 from kareus.passes.decide import Policy, decide
 from kareus.passes.ops import OP_TABLE
 from kareus.passes.placement import Aligned, RowIds, Split, Whole, propagate
+from kareus.profiler.workloads import partition_workload
+
+
+class _SumGradients(torch.autograd.Function):
+    """Identity; the backward all-reduces the gradient (every rank's experts saw every
+    token: transformers' ``_AllReduceBackward``)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return funcol.all_reduce(grad, "sum", dist.group.WORLD)
 
 
 class SortedExperts(torch.nn.Module):
@@ -35,7 +49,7 @@ class SortedExperts(torch.nn.Module):
         tokens = x.reshape(-1, x.shape[-1])
         weights, ids = self.router(tokens).softmax(-1).topk(2, dim=-1)
         expert_ids, order = torch.sort(ids.reshape(-1))
-        rows = tokens[order // 2]
+        rows = _SumGradients.apply(tokens)[order // 2]
         out = torch.bmm(rows.unsqueeze(1), self.w[expert_ids]).squeeze(1)
         out = out * weights.reshape(-1)[order].unsqueeze(-1)
         inverse = torch.empty_like(order)
@@ -78,14 +92,17 @@ def test_ids_that_a_nanobatch_boundary_divides_are_not_row_ids(fake_pg):
 
 def test_the_experts_all_reduce_splits_forward_and_backward(fake_pg):
     torch.manual_seed(0)
-    graphs = analysed(SortedExperts(), torch.randn(4, 6, 8))
+    graphs = analysed(SortedExperts(), torch.randn(4, 6, 8, requires_grad=True))
     for g, analysis in graphs:
-        (reduce,) = analysis.collectives
-        assert analysis.placements_at(2).placements[reduce.node] == Split(0), g.kind
+        placed = analysis.placements_at(2).placements
+        reduces = [placed[c.node] for c in analysis.collectives]
+        assert reduces == [Split(0)] * (1 if g.kind == "forward" else 2), (g.kind, reduces)
         decision = decide(analysis, Policy(2))
         assert decision.choice.nanobatches == 2, (g.kind, decision.fallback)
         code = apply(g.gm, analysis, decision.choice).code
-        FileCheck().check_count("_c10d_functional.all_reduce.default", 2, exactly=True).run(code)
+        FileCheck().check_count(
+            "_c10d_functional.all_reduce.default", 2 * len(reduces), exactly=True
+        ).run(code)
         if g.kind == "forward":  # the experts run once, on the whole batch
             FileCheck().check_count("aten.sort.default", 1, exactly=True).run(code)
 
@@ -95,17 +112,34 @@ def _run(model, x, nanobatches):
     backend = KareusBackend({"nanobatches": nanobatches, "lowering": "eager", "profile": "off"})
     out = torch.compile(model, backend=backend)(x)
     out.square().sum().backward()
-    grads = [p.grad.clone() for p in model.parameters()]
+    grads = [x.grad.clone(), *(p.grad.clone() for p in model.parameters())]
     model.zero_grad()
+    x.grad = None
     return out, grads, backend.reports()
 
 
 def test_split_after_the_sort_computes_what_the_graph_does(fake_pg):
     torch.manual_seed(0)
-    model, x = SortedExperts(), torch.randn(4, 6, 8)
+    model, x = SortedExperts(), torch.randn(4, 6, 8, requires_grad=True)
     ref, ref_grads, _ = _run(model, x, 1)
     out, grads, reports = _run(model, x, 2)
-    assert [(r.nanobatches, r.coverage.split) for r in reports] == [(2, 1), (2, 1)]
+    assert [(r.nanobatches, r.coverage.split) for r in reports] == [(2, 1), (2, 2)]
     torch.testing.assert_close(out, ref)
     for g, r in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(g, r)
+
+
+def test_partitions_run_alone_with_aligned_values_sliced(fake_pg):
+    # The backward's gradient of the tokens the experts saw is scattered back into batch
+    # order (aligned) and all-reduced: the profiler's partition takes it whole and
+    # issues the other nanobatch's all-reduce on a slice of it.
+    torch.manual_seed(0)
+    for _, analysis in analysed(SortedExperts(), torch.randn(4, 6, 8, requires_grad=True)):
+        place = analysis.placements[2]
+        for partition in analysis.partitioning.partitions:
+            for slot in range(len(partition.slots) + 1):
+                waited, *_ = partition_workload(partition, place, 2, slot, world_size=2).run()
+                assert waited.shape[0] == 12  # one nanobatch of the 24 tokens
+    _, backward = analysed(SortedExperts(), torch.randn(4, 6, 8, requires_grad=True))[1]
+    sources = [backward.placements[2].placements[c.node.args[0]] for c in backward.collectives]
+    assert any(isinstance(p, Aligned) for p in sources), sources
