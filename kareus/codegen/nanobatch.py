@@ -553,12 +553,13 @@ class _PartitionEmitter:
             )
         # An item of a value computed elsewhere (a tuple: an attention backward's gradients)
         # comes in as an input of its own, a tensor, like the values it is taken from.
-        self.computed = []
+        self.computed, computed = [], set()
         for n in partition.nodes:
             if not computed_once(place[n]) and not (
-                n.target is _getitem and n.args[0] not in self.computed
+                n.target is _getitem and n.args[0] not in computed
             ):
                 self.computed.append(n)
+                computed.add(n)
         self.graph = torch.fx.Graph()
         self.env: dict[torch.fx.Node, torch.fx.Node] = {}
         self.slices: dict[tuple[torch.fx.Node, int], torch.fx.Node] = {}
