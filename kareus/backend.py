@@ -30,6 +30,7 @@ from kareus.devices.base import Device
 from kareus.options import KareusOptionError, KareusOptions
 from kareus.passes.analyse import ForwardInterfaces, analyse
 from kareus.passes.decide import Policy, VariantChooser, decide, earliest_slots, follow
+from kareus.passes.unwrap import opened_notes, unwrap_collectives
 from kareus.planner.graph import device_cost
 from kareus.planner.measured import FirstCallPlanning
 from kareus.planner.pipeline_step import PipelinePlanning
@@ -189,6 +190,7 @@ class KareusBackend:
         given = self._given_plan
         pipelined = stage is not None and (
             self._pipeline is not None or (given is not None and given.pipeline is not None))
+        opened = unwrap_collectives(gm)
         analysis = analyse(
             gm, inputs, kind, self._forwards.get(region), backend=graph_backend(gm.graph),
             static_input_idxs=kwargs.get("static_input_idxs") or (),
@@ -233,7 +235,8 @@ class KareusBackend:
         self._reports.add(GraphReport.build(
             analysis, decision, lowering=options.lowering, device=device.name,
             estimate=estimate, profiles=profiled.profiles,
-            notes=tuple(n for n in (profiled.note, plan_note, estimate_note) if n),
+            notes=tuple(n for n in (*opened_notes(opened), profiled.note, plan_note,
+                                    estimate_note) if n),
             profile_gpu_s=self.spend.by_graph.get(analysis.label, 0.0),
         ))
         lowered = lower(compiled, inputs, options.lowering, **kwargs)

@@ -123,11 +123,42 @@ def rotary_tables(cfg: LlamaConfig) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE on ``x`` of shape (batch, seq, heads, head_dim)."""
+    """Rotate-half RoPE on ``x`` of shape (batch, seq, heads, head_dim): tables of the
+    positions 0, 1, ... (seq, head_dim), or of each row's own positions (batch, seq,
+    head_dim)."""
     seq = x.shape[1]
-    cos, sin = cos[:seq, None, :].to(x.dtype), sin[:seq, None, :].to(x.dtype)
+    if cos.ndim == 3:
+        cos, sin = cos[:, :, None, :].to(x.dtype), sin[:, :, None, :].to(x.dtype)
+    else:
+        cos, sin = cos[:seq, None, :].to(x.dtype), sin[:seq, None, :].to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class CausalAttention(nn.Module):
+    """The attention kernel on (batch, heads, seq, head_dim) queries, keys and values.
+
+    ``positions`` (batch, seq): where each query sits in its sequence, when the queries
+    are one rank's part of it while the keys and values are the whole sequence (context
+    parallelism, ``context_parallel_llama``, gathers them before this module runs): a
+    query then sees the keys at or before its position. Without them, plain causal.
+    """
+
+    def __init__(self, grouped: bool) -> None:
+        super().__init__()
+        self.grouped = grouped
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if positions is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                  enable_gqa=self.grouped)
+        keys = torch.arange(k.shape[2], device=k.device)
+        visible = positions[:, None, :, None] >= keys  # (batch, 1, queries, keys)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible,
+                                              enable_gqa=self.grouped)
 
 
 class Attention(nn.Module):
@@ -143,12 +174,15 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, kv, bias=False)
         self.wv = nn.Linear(cfg.dim, kv, bias=False)
         self.wo = nn.Linear(q, cfg.dim, bias=False)
-        self.grouped = cfg.n_kv_heads < cfg.n_heads
+        self.inner = CausalAttention(cfg.n_kv_heads < cfg.n_heads)
         # None where unused (no weights): a plain Llama's state dict is as it was.
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         bsz, seq = x.shape[0], x.shape[1]
         # -1 heads: under tensor parallelism each rank holds only its local heads.
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
@@ -157,10 +191,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-            enable_gqa=self.grouped,
-        )
+        out = self.inner(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), positions)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -183,8 +214,11 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, positions)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -200,10 +234,15 @@ class Llama(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``positions`` (batch, seq): each token's place in its sequence, where ``tokens``
+        are one rank's part of it (context parallelism); None: 0, 1, ..."""
         h = self.tok_embeddings(tokens)
+        cos, sin = self.rope_cos, self.rope_sin
+        if positions is not None:
+            cos, sin = cos[positions], sin[positions]
         for layer in self.layers:
-            h = layer(h, self.rope_cos, self.rope_sin)
+            h = layer(h, cos, sin, positions)
         return self.output(self.norm(h))
 
 
@@ -271,9 +310,9 @@ def parallelize_llama(model: Llama, mesh, *, sequence_parallel: bool = False) ->
             plan |= {
                 "attention_norm": SequenceParallel(),
                 "ffn_norm": SequenceParallel(),
-                "attention": PrepareModuleInput(
-                    input_layouts=(Shard(1), None, None),
-                    desired_input_layouts=(Replicate(), None, None),
+                "attention": PrepareModuleInput(  # (x, cos, sin, positions)
+                    input_layouts=(Shard(1), None, None, None),
+                    desired_input_layouts=(Replicate(), None, None, None),
                 ),
                 "feed_forward": PrepareModuleInput(
                     input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
@@ -281,6 +320,38 @@ def parallelize_llama(model: Llama, mesh, *, sequence_parallel: bool = False) ->
             }
         parallelize_module(block, mesh, plan)
     return model
+
+
+def context_parallel_llama(model: Llama, mesh) -> Llama:
+    """Context parallelism over the 1-D ``mesh``, in place, with torch's all-gather of keys
+    and values (the plan torchtitan applies for flex attention,
+    ``_ContextParallel(seq_dim=2, FLEX)``): each rank holds a contiguous part of every
+    sequence (``context_parallel_inputs``), and every attention kernel gathers all ranks'
+    keys and values before it runs (``cplib::flex_cp_allgather``; its backward
+    reduce-scatters their gradients). The kernel stays SDPA, masked by the queries'
+    positions; torch's SDPA form of context parallelism instead routes the kernel through
+    DTensor's ring attention, which has CUDA kernels only. Composes with
+    ``parallelize_llama`` on another mesh dim (CP x TP)."""
+    from torch.distributed.tensor.experimental._attention import _ContextParallel
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    plan = _ContextParallel(seq_dim=2, attention_type=_ContextParallel.AttentionType.FLEX)
+    for block in model.layers:
+        parallelize_module(block.attention.inner, mesh, plan)
+    return model
+
+
+def context_parallel_inputs(
+    mesh, tokens: torch.Tensor, *others: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """This rank's contiguous part of the (batch, seq) ``tokens`` and ``others`` (labels),
+    and the positions of its tokens (the model's ``positions``), as torch's
+    ``_context_parallel_shard`` cuts them without load balancing."""
+    from torch.distributed.tensor.experimental._attention import _context_parallel_shard
+
+    positions = torch.arange(tokens.shape[1], device=tokens.device).repeat(tokens.shape[0], 1)
+    buffers = [tokens, *others, positions]
+    return tuple(_context_parallel_shard(mesh, buffers, [1] * len(buffers)))
 
 
 @contextlib.contextmanager

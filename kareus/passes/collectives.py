@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 import torch
+import torch.distributed as dist
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
@@ -124,6 +125,20 @@ def _meta_val(node: torch.fx.Node) -> torch.Tensor:
     if not isinstance(val, torch.Tensor):
         raise MalformedGraphError(f"collective input {node.name} has no tensor metadata")
     return val
+
+
+def group_label(group_name: str) -> str:
+    """A group as structural keys hold it: the spacing of its ranks, alike on every rank
+    whose group is the same line of a device mesh (on CP x TP, rank 0's TP group {0, 1}
+    and rank 2's {2, 3} both read "group[0, 1]", where their names differ); its name where
+    this process cannot resolve it (a graph planned offline)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    try:
+        ranks = dist.get_process_group_ranks(_resolve_process_group(group_name))
+    except (RuntimeError, ValueError):
+        return group_name
+    return f"group{[r - min(ranks) for r in ranks]}"
 
 
 def _resolve_group_size(group_name: str) -> int | None:

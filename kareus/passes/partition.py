@@ -30,8 +30,15 @@ import torch.fx
 from torch.fx.node import _get_qualified_name
 from torch.utils._pytree import tree_leaves
 
-from kareus.passes.collectives import Collective, find_collectives, is_collective, is_wait
+from kareus.passes.collectives import (
+    Collective,
+    find_collectives,
+    group_label,
+    is_collective,
+    is_wait,
+)
 from kareus.passes.ops import OP_TABLE, OpTable
+from kareus.passes.schema import arguments
 
 aten = torch.ops.aten
 
@@ -316,9 +323,14 @@ def _token(
     ref: Callable[[torch.fx.Node], object],
     sig: Callable[[torch.fx.Node], object] | None = None,
 ) -> tuple[object, ...]:
+    group = arguments(node).get("group_name") if is_collective(node) else None
+
     def describe(arg: object) -> object:
         if isinstance(arg, torch.fx.Node):
             return ref(arg)
+        if group is not None and arg == group:
+            # Group names differ between ranks of a 2-D mesh; their spacing does not.
+            return group_label(group)
         if isinstance(arg, (list, tuple)):
             return tuple(describe(a) for a in arg)
         if isinstance(arg, dict):

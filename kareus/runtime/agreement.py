@@ -63,6 +63,7 @@ import collections
 import hashlib
 import json
 import logging
+import math
 import pickle
 import threading
 import time
@@ -128,34 +129,58 @@ def agree(
 
     ``graph_key`` must be identical on every rank for the same graph (a structural hash);
     ``decision`` must be picklable; a mapping's keys label its parts in a disagreement's
-    reason. The participants are the union of the global ranks of
-    the groups; groups of the fake backend and a single participant agree trivially, without
-    store traffic. ``store`` defaults to the default process group's store. Returns within
-    about ``timeout_s``; every participant that returns gets the same verdict (see the module
-    docstring). Store errors propagate.
+    reason. The participants are the global ranks the groups span (``spanned_ranks``: on
+    a grid, its plane); groups of the fake backend and a single participant agree
+    trivially, without store traffic. ``store`` defaults to the default process group's
+    store. Returns within about ``timeout_s``; every participant that returns gets the same
+    verdict (see the module docstring). Store errors propagate.
     """
     if timeout_s < 0:
         raise NegativeTimeoutError(f"timeout_s must be >= 0, got {timeout_s}")
     # Called while compiling, under the compiler's fake-tensor mode: nothing here creates
     # tensors, and leaving the mode keeps it that way should the store or pickle ever do.
     with unset_fake_temporarily():
-        participants: set[int] = set()
-        for name in set(group_names):
+        groups = []
+        for name in sorted(set(group_names)):
             group = _resolve_process_group(name)
             if dist.get_backend(group) != "fake":
-                participants.update(dist.get_process_group_ranks(group))
-        if len(participants) <= 1:
-            return Verdict(True, None)
+                groups.append(dist.get_process_group_ranks(group))
         rank = dist.get_rank()
-        if rank not in participants:
+        if any(rank not in ranks for ranks in groups):
             raise RankNotInGroupsError(
                 f"rank {rank} is not in the groups {sorted(set(group_names))}"
             )
+        participants = spanned_ranks(rank, groups, dist.get_world_size())
+        if len(participants) <= 1:
+            return Verdict(True, None)
         store = _get_default_store() if store is None else store
         prefix = f"kareus/agree/{graph_key}/{','.join(map(str, sorted(participants)))}"
         parts = _parts(decision) if isinstance(decision, Mapping) else None
         return _settle(store, prefix, rank, sorted(participants), _entry(decision), parts,
                        timeout_s, falls_back)
+
+
+def spanned_ranks(rank: int, groups: Iterable[Iterable[int]], world_size: int) -> set[int]:
+    """The ranks that must agree with ``rank`` on a graph with collectives over ``groups``
+    (each holding ``rank``), alike on every one of them.
+
+    The union of one rank's groups is not that: on a CP x TP mesh rank 0's groups are
+    {0, 1} and {0, 2}, rank 3's {2, 3} and {1, 3}, and each would wait for a different set.
+    Groups that are lines through ``rank`` of a grid of ranks (a device mesh's dims) span
+    its plane: every sum of one offset from each group, the same set from any rank in it.
+    That is taken where the sums are all distinct (the lines are independent); otherwise
+    (nested or irregular groups) the union.
+    """
+    groups = [sorted(set(g)) for g in groups]
+    union = {rank}.union(*groups)
+    if len(groups) <= 1:
+        return union
+    spanned = {rank}
+    for members in groups:
+        spanned = {r + m - rank for r in spanned for m in members}
+    distinct = len(spanned) == math.prod(len(g) for g in groups)
+    in_world = min(spanned) >= 0 and max(spanned) < world_size
+    return spanned if distinct and in_world else union
 
 
 def _digest(value: object) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import socket
@@ -23,7 +24,7 @@ import torch.multiprocessing as mp
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.distributed_c10d import _get_default_store
 
-from kareus.runtime.agreement import Verdict, agree
+from kareus.runtime.agreement import Verdict, agree, spanned_ranks
 
 SESSION_LIMIT_S = 60.0
 
@@ -284,3 +285,27 @@ def test_a_wait_of_over_a_second_says_what_it_waits_for_and_until_when(session):
     assert len(waits) == 1, waits
     assert re.search(r"kareus/agree/told/0,1 waits for rank\(s\) \[1\] to confirm its "
                      r"decision, at most 0\.\d s more \(agreement_timeout_s\)", waits[0]), waits
+
+
+def _mesh_lines(rank: int, shape: tuple[int, ...]) -> list[list[int]]:
+    """The groups of a row-major device mesh of ``shape`` that hold ``rank``, one per dim."""
+    import numpy as np
+
+    grid = np.arange(math.prod(shape)).reshape(shape)
+    at = np.argwhere(grid == rank)[0]
+    return [grid[tuple(slice(None) if d == dim else int(i) for d, i in enumerate(at))].tolist()
+            for dim in range(len(shape))]
+
+
+def test_every_rank_of_a_mesh_plane_waits_for_the_same_ranks():
+    # CP2 x TP2: rank 0's groups are {0, 1} and {0, 2}, rank 3's {2, 3} and {1, 3}
+    assert all(spanned_ranks(r, _mesh_lines(r, (2, 2)), 4) == {0, 1, 2, 3} for r in range(4))
+    # PP2 x CP2 x TP2, a graph with CP and TP collectives: its stage's plane, not the world
+    for r in range(8):
+        cp_tp = _mesh_lines(r, (2, 2, 2))[1:]
+        assert spanned_ranks(r, cp_tp, 8) == set(range(4 * (r // 4), 4 * (r // 4) + 4))
+    assert spanned_ranks(5, [[4, 5]], 8) == {4, 5}  # one group: its ranks
+    # nested groups (the world and a TP group): their union, the world
+    assert spanned_ranks(1, [[0, 1, 2, 3], [0, 1]], 4) == {0, 1, 2, 3}
+    # groups that are no lines of a grid: their union
+    assert spanned_ranks(0, [[0, 1], [0, 3]], 4) == {0, 1, 3}

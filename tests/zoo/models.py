@@ -1,4 +1,5 @@
-"""Third-party Llama-family models under their own tensor-parallel plans, at tiny sizes.
+"""Third-party Llama-family models under their own tensor-parallel plans, at tiny sizes,
+and torch's own context parallelism on kareus's Llama.
 
 Each builder takes a ``ZooSetup`` (this rank, the world size, a 1-D CPU mesh over the
 world, a scratch directory shared by the ranks) and returns a ``ZooModel``: the model,
@@ -293,6 +294,46 @@ def hf_mixtral_ep(
     )
 
 
+# --- torch's context parallelism ---------------------------------------------------------
+
+
+def torch_cp_llama(setup: ZooSetup) -> ZooModel:
+    """kareus's Llama (GQA) under torch's context parallelism, CP 2: the all-gather plan
+    torchtitan applies for flex attention (``_ContextParallel``), on an SDPA kernel masked
+    by the queries' positions (``kareus.models.llama.context_parallel_llama``).
+
+    No third-party model trains with context parallelism on CPU: flex attention has no CPU
+    backward (torchtitan's CP), and the SDPA form (``context_parallel``, which
+    accelerate's ``ParallelismConfig`` uses) has no CPU strategy. Each rank trains on its
+    contiguous half of every sequence: its gradients are its tokens' share of the mean
+    loss's, and the loss it reports is the mean over all tokens (summed over the ranks, as
+    torchtitan logs it).
+    """
+    from kareus.models.llama import (
+        Llama,
+        LlamaConfig,
+        context_parallel_inputs,
+        context_parallel_llama,
+    )
+
+    cfg = LlamaConfig(vocab_size=VOCAB, dim=DIM, n_layers=LAYERS, n_heads=HEADS,
+                      n_kv_heads=KV_HEADS, ffn_dim=FFN, max_seq_len=SEQ)
+    torch.manual_seed(SEED)
+    model = context_parallel_llama(Llama(cfg), setup.mesh)
+
+    def loss(m: torch.nn.Module, batch: Batch) -> torch.Tensor:
+        inputs, labels = batch
+        tokens, targets, positions = context_parallel_inputs(setup.mesh, inputs, labels)
+        logits = m(tokens, positions)
+        share = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+        share = share / labels.numel()
+        whole = share.detach().clone()
+        dist.all_reduce(whole)
+        return share + (whole - share.detach())
+
+    return ZooModel(model, lambda step: make_batch(step, shifted=True), loss)
+
+
 BUILDERS: dict[str, Callable[[ZooSetup], ZooModel]] = {
     "titan-llama3": titan_llama3,
     "titan-llama3-lossparallel": lambda setup: titan_llama3(setup, loss_parallel=True),
@@ -304,11 +345,13 @@ BUILDERS: dict[str, Callable[[ZooSetup], ZooModel]] = {
     "hf-mixtral-ep": hf_mixtral_ep,
     "hf-mixtral-ep-scalars": lambda setup: hf_mixtral_ep(setup, capture_scalars=True),
     "hf-mixtral-ep-allreduce": lambda setup: hf_mixtral_ep(setup, ep_implementation="all_reduce"),
+    "torch-cp-llama": torch_cp_llama,
 }
 
 # What each model needs installed (tests skip when it is missing).
 REQUIRES: dict[str, tuple[str, ...]] = {
-    name: ("torchtitan", "triton") if name.startswith("titan") else ("transformers", "accelerate")
+    name: ("torchtitan", "triton") if name.startswith("titan")
+    else () if name.startswith("torch") else ("transformers", "accelerate")
     for name in BUILDERS
 }
 

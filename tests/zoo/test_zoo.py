@@ -1,5 +1,6 @@
-"""The zoo: third-party Llama-family models, under their own tensor-parallel plans, trained
-with kareus on 2 gloo CPU ranks against an eager copy of themselves.
+"""The zoo: third-party Llama-family models, under their own tensor-parallel plans, and
+torch's context parallelism on kareus's Llama, trained with kareus on 2 gloo CPU ranks
+against an eager copy of themselves.
 
 One spawn per model runs all its option sets (``MATRIX``); each option set is one test
 item, so a known failure of one (``KNOWN``, non-strict xfail) does not hide the others.
@@ -57,6 +58,7 @@ MATRIX: dict[str, list[dict[str, object]]] = {
     "hf-qwen3-auto": [K2, K2_PLANNED, K4_EAGER],
     "hf-mixtral-ep": [K2_PLANNED],
     "hf-mixtral-ep-allreduce": [K2_EAGER, K2_PLANNED],
+    "torch-cp-llama": [K2_EAGER, K2_PLANNED],
 }
 
 # At least this share of the collectives of the forward and of the backward stay split into
