@@ -331,7 +331,8 @@ def context_parallel_llama(model: Llama, mesh) -> Llama:
     reduce-scatters their gradients). The kernel stays SDPA, masked by the queries'
     positions; torch's SDPA form of context parallelism instead routes the kernel through
     DTensor's ring attention, which has CUDA kernels only. Composes with
-    ``parallelize_llama`` on another mesh dim (CP x TP)."""
+    ``parallelize_llama`` on another mesh dim (CP x TP). No load balancing: the mask
+    takes the gathered keys in rank order, as ``context_parallel_inputs`` cuts them."""
     from torch.distributed.tensor.experimental._attention import _ContextParallel
     from torch.distributed.tensor.parallel import parallelize_module
 
