@@ -16,10 +16,17 @@ from types import MappingProxyType
 import torch
 import torch.distributed as dist
 import torch.fx
-from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from kareus.errors import KareusError
 from kareus.passes.schema import arguments
+
+try:
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+except ImportError:  # torch 2.11: the older name, which needs a fallback for a data-dependent
+    from torch.fx.experimental.symbolic_shapes import hint_int  # size (Inductor's default)
+
+    def optimization_hint(size: torch.SymInt) -> int:
+        return hint_int(size, fallback=8192)
 
 _c10d = torch.ops._c10d_functional
 
