@@ -20,6 +20,11 @@ benchmarks/results/h200_default.json; nothing is said where there is no such fil
 graphs and partition workloads as measured through NVML at default clocks, beside the
 simulated GPU's estimates of the same graphs, with the geometric mean of the ratios.
 
+(d) Where ``benchmarks/gpu_check.py`` has recorded an H200's kernels (``--h200-kernels``, by
+default benchmarks/results/gpu_check_h200.json): one kernel of every class the model
+distinguishes, measured at default clocks, beside the model, each judged by the fidelity
+tolerances of its quantity (``calibration.TOLERANCES``: time 10%, power 15%).
+
 Everything else is traced over fake tensors in an 8-rank fake process group: no GPU is
 needed. Writes ``fidelity.json`` and one ``fidelity_<preset>.png`` per preset (time/t_max,
 power and E/E_max against the clock). Exits 0 whatever the verdicts: it is a report.
@@ -41,8 +46,8 @@ from typing import Any
 import matplotlib
 import torch
 import torch.fx
-from calibration import POINTS, DataPoint
-from gpu_measure import H200_RECORD
+from calibration import POINTS, TOLERANCES, DataPoint
+from gpu_measure import H200_KERNELS, H200_RECORD
 from probes import (
     attention,
     copy,
@@ -312,6 +317,57 @@ def print_h200(console: Console, measured: dict[str, Any]) -> None:
                   f"energy x{measured['energy_ratio_geomean']:.2f}")
 
 
+# --- (d) an H200's kernels at default clocks ---------------------------------------------------
+
+
+def h200_kernels(path: Path) -> dict[str, Any] | None:
+    """``gpu_check.py``'s cases from its record at ``path``, each time and power judged by
+    the fidelity tolerances; None where there is no record."""
+    if not path.is_file():
+        return None
+    record = json.loads(path.read_text())
+    rows = []
+    for case in record["cases"]:
+        time_error = case["predicted_time_s"] / case["measured_time_s"] - 1
+        power_error = case["predicted_power_w"] / case["measured_power_w"] - 1
+        rows.append({
+            "case": case["case"], "kind": case["kind"],
+            "measured_time_s": case["measured_time_s"],
+            "predicted_time_s": case["predicted_time_s"],
+            "measured_power_w": case["measured_power_w"],
+            "predicted_power_w": case["predicted_power_w"],
+            "time_error": time_error, "power_error": power_error,
+            "energy_ratio": case["energy_ratio"],
+            "time_verdict": _verdict(time_error, "time"),
+            "power_verdict": _verdict(power_error, "power"),
+        })
+    return {"path": str(path), "gpu": record.get("gpu"), "torch": record.get("torch"),
+            "preset": record["preset"], "model_version": record["model_version"],
+            "idle_power_w": record.get("idle_power_w"), "cases": rows}
+
+
+def _verdict(relative_error: float, kind: str) -> str:
+    return "PASS" if abs(relative_error) <= TOLERANCES[kind].amount else "FAIL"
+
+
+def h200_kernels_table(kernels: dict[str, Any]) -> Table:
+    table = Table(title=f"{kernels['gpu'] or 'GPU'} kernels at default clocks (NVML) against "
+                  f"{kernels['preset']} ({kernels['path']})", title_justify="left")
+    for column in ("case", "kind", "ms", "model ms", "time", "W", "model W", "power",
+                   "E model/meas"):
+        table.add_column(column, justify="left" if column in ("case", "kind") else "right")
+    for r in kernels["cases"]:
+        table.add_row(
+            r["case"], r["kind"], f"{1e3 * r['measured_time_s']:.3f}",
+            f"{1e3 * r['predicted_time_s']:.3f}",
+            f"[{VERDICT_STYLE[r['time_verdict']]}]{r['time_error']:+.0%}[/]",
+            f"{r['measured_power_w']:.0f}", f"{r['predicted_power_w']:.0f}",
+            f"[{VERDICT_STYLE[r['power_verdict']]}]{r['power_error']:+.0%}[/]",
+            f"{r['energy_ratio']:.2f}",
+        )
+    return table
+
+
 # --- main -----------------------------------------------------------------------------------
 
 
@@ -322,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--h200", type=Path, default=H200_RECORD,
                         help="gpu_plan_check.py's record of an H200 (ignored where absent)")
+    parser.add_argument("--h200-kernels", type=Path, default=H200_KERNELS,
+                        help="gpu_check.py's record of an H200 (ignored where absent)")
     args = parser.parse_args(argv)
     presets = args.preset or list(preset_names())
     start = time.perf_counter()
@@ -358,6 +416,9 @@ def main(argv: list[str] | None = None) -> int:
     measured = h200_measured(args.h200)
     if measured is not None:
         print_h200(console, measured)
+    kernels = h200_kernels(args.h200_kernels)
+    if kernels is not None:
+        console.print(h200_kernels_table(kernels))
 
     elapsed = time.perf_counter() - start
     record = {
@@ -366,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
         "points": rows,
         "presets": reports,
         "h200_default": measured,
+        "h200_kernels": kernels,
         "seconds": {"points": points_s, "total": elapsed},
     }
     out = args.out_dir / "fidelity.json"

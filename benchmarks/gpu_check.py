@@ -11,6 +11,9 @@ on the CPU for the model, run eagerly on real tensors on the GPU.
 
     python benchmarks/gpu_check.py --preset sim:h200 --out benchmarks/results/gpu_check_h200.json
 
+``benchmarks/fidelity.py`` reports that record (``gpu_measure.H200_KERNELS``) beside the
+model, each case judged by the fidelity tolerances of ``calibration.py``.
+
 Run time on a GPU: each case is warmed up, then measured in windows of at least
 ``gpu_measure.MIN_WINDOW_S`` (NvmlGPU repeats it to fill one, and once more if the first
 falls short), so about 3-5 s a case, under a minute and a half for the eleven.

@@ -30,6 +30,9 @@ WARMUP_RUNS = 3  # before measuring: cuBLAS handles and heuristics, allocator bl
 CLOCKS = "default (dry run: no clock was set)"
 H200_RECORD = Path(__file__).resolve().parent / "results" / "h200_default.json"
 """``gpu_plan_check.py``'s record of an H200 at default clocks, which ``fidelity.py`` reads."""
+H200_KERNELS = Path(__file__).resolve().parent / "results" / "gpu_check_h200.json"
+"""``gpu_check.py``'s record of an H200's kernels at default clocks, which ``fidelity.py``
+reads."""
 
 _WORDS = re.compile(r"[A-Z][a-z]+|[A-Z]+(?![a-z])|\d+")
 _CHANGES = frozenset({"Set", "Reset", "Clear"})

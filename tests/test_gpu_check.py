@@ -5,6 +5,7 @@ The simulated numbers are recalibrated from time to time, so these tests assert 
 relations any sane model satisfies (orderings, orders of magnitude), not values.
 """
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import fidelity
 import gpu_check
 import gpu_measure
 
@@ -143,3 +145,23 @@ def test_without_a_gpu_it_exits_with_a_clear_message(tmp_path):
     assert out.returncode == 2
     assert "needs a CUDA GPU" in out.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+def test_the_fidelity_report_judges_each_kernel_by_its_tolerances(predicted, tmp_path):
+    rows = gpu_check.compare(predicted, predicted)
+    rows[0] |= {"measured_time_s": rows[0]["predicted_time_s"] / 1.2}  # the model 20% slow
+    rows[1] |= {"measured_power_w": rows[1]["predicted_power_w"] * 1.1}  # 9% low: within 15%
+    path = tmp_path / "gpu_check.json"
+    path.write_text(json.dumps({**gpu_measure.header(PRESET), "gpu": "G", "cases": rows}))
+    kernels = fidelity.h200_kernels(path)
+    verdicts = [(r["time_verdict"], r["power_verdict"]) for r in kernels["cases"]]
+    assert verdicts[0] == ("FAIL", "PASS") and verdicts[1] == ("PASS", "PASS")
+    assert kernels["cases"][0]["time_error"] == pytest.approx(0.2)
+    assert set(verdicts[2:]) == {("PASS", "PASS")}
+    assert fidelity.h200_kernels(tmp_path / "absent.json") is None
+
+
+@pytest.mark.regression
+def test_the_committed_h200_record_reads():
+    kernels = fidelity.h200_kernels(gpu_measure.H200_KERNELS)
+    assert kernels["gpu"] == "NVIDIA H200" and [r["case"] for r in kernels["cases"]] == list(CASES)
