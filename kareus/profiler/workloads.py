@@ -51,16 +51,17 @@ def partition_workload(
     variant runs op by op.
     """
     alone = isolated_partition(partition, placements, k, slot, group_name, table=table)
-    specs = [(_tensor_value(partition, node), placements.placements[node]) for node in alone.inputs]
+    specs = [(_tensor_value(partition, node), placements.placements[node], node.op == "placeholder")
+             for node in alone.inputs]
     gm = alone.gm
     mode = FakeTensorMode()
     with mode:
-        fake_inputs = [_random_like(val, p, k) for val, p in specs]
+        fake_inputs = [_random_like(*spec, k) for spec in specs]
     FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fake_inputs)
 
     @functools.cache
     def inputs() -> list[torch.Tensor]:
-        return [_random_like(val, p, k) for val, p in specs]
+        return [_random_like(*spec, k) for spec in specs]
 
     @functools.cache
     def runner() -> Callable[[list[Any]], Any]:
@@ -95,15 +96,37 @@ def _tensor_value(partition: Partition, node: torch.fx.Node) -> torch.Tensor:
     return val
 
 
-def _random_like(val: torch.Tensor, p: NodePlacement, k: int) -> torch.Tensor:
+def _random_like(val: torch.Tensor, p: NodePlacement, sliced: bool, k: int) -> torch.Tensor:
     """Random values laid out as ``val`` (its strides: the graph may view it in ways only
-    that layout allows); one nanobatch of it where it is split, a slice as the rewrite
-    takes one."""
-    whole = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
+    that layout allows); one nanobatch of it where it is split: a slice of the whole where
+    the rewrite takes one (``sliced``: a graph input), else as an op computes one
+    nanobatch's value, dense in ``val``'s order of dims (torch 2.11's collectives take
+    contiguous inputs only)."""
+    shape = list(val.shape)
+    split = isinstance(p, Split)
+    if split and not sliced:
+        shape[p.dim] //= k
+    stored = [1 if val.stride(d) == 0 else size for d, size in enumerate(shape)]
+    new = torch.empty_strided(stored, _dense_strides(val, stored), dtype=val.dtype,
+                              device=val.device)
     if val.dtype.is_floating_point:
-        whole.normal_()
+        new.normal_()
     else:
-        whole.zero_()
-    if isinstance(p, Split):
-        return whole.narrow(p.dim, 0, val.shape[p.dim] // k)
-    return whole
+        new.zero_()
+    new = new.expand(shape)  # broadcast dims (stride 0) again
+    if split and sliced:
+        return new.narrow(p.dim, 0, val.shape[p.dim] // k)
+    return new
+
+
+def _dense_strides(val: torch.Tensor, shape: list[int]) -> list[int]:
+    """Strides of a dense tensor of ``shape`` whose dims lie in memory in ``val``'s order;
+    dims that ``val`` broadcasts (stride 0: grouped-query attention's keys over heads)
+    stay broadcast."""
+    strides = [0] * len(shape)
+    step = 1
+    for d in sorted(range(len(shape)), key=lambda d: (val.stride(d), -d)):  # inner first
+        if val.stride(d) != 0:
+            strides[d] = step
+            step *= shape[d]
+    return strides

@@ -145,7 +145,7 @@ def test_materialised_schedules_are_the_one_shot_rewrites(fake_pg, k):
 
 
 @pytest.mark.parametrize("k", [2, 4])
-def test_materialised_graphs_compute_what_the_original_does(fake_pg, k):
+def test_materialised_graphs_compute_what_the_original_does(fake_pg_numbers, k):
     """Collectives on a fake group return without communicating, in both graphs alike."""
     group = dist.new_group([0, 1]).group_name
     for case in _cases(k):

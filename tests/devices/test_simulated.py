@@ -331,6 +331,20 @@ def test_causal_attention_counts_half_the_flops():
     assert full[0].flops == 4 * 256 * 256 * 64 * 4
 
 
+def test_grouped_query_attention_counts_the_work_of_every_query_head():
+    # torch 2.11's flop formulas take keys and values of the queries' heads only: the model
+    # widens grouped-query attention's before counting (2.13's formulas count the same).
+    def attention(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    grouped = trace(attention, (1, 8, 256, 64), (1, 2, 256, 64), (1, 2, 256, 64))
+    node = next(n for n in grouped.graph.nodes if "attention" in str(n.target))
+    args = simulated._query_heads(node, tuple(a.meta["val"] for a in node.args[:3]))
+    assert [tuple(a.shape) for a in args] == [(1, 8, 256, 64)] * 3
+    (kernel,) = graph_cost(grouped).kernels
+    assert kernel.flops == 4 * 256 * 256 * 64 * 8
+
+
 def test_collective_group_sizes(group):
     gathered = graph_cost(collective("all_gather", 8 << 20, group), world_size=2)
     assert gathered.collectives[0].group_size == 8  # the op's own group_size argument

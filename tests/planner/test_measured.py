@@ -92,7 +92,7 @@ def test_a_time_budget_is_planned_from_first_call_measurements_and_met(fake_pg, 
 
 
 def test_a_spent_profiling_budget_stops_measuring_and_the_graphs_run_unplanned(
-        fake_pg, tmp_path, measured, caplog):
+        fake_pg_numbers, tmp_path, measured, caplog):
     options = {"cache_dir": str(tmp_path), "profile_budget_s": 20}
     with caplog.at_level(logging.DEBUG, logger="kareus"):
         backend, switches, losses = _train(MeasuredOnly(), options)

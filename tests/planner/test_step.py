@@ -61,7 +61,7 @@ def counted(monkeypatch):
     return calls
 
 
-def test_the_step_plan_meets_its_budget_and_the_forward_switches_to_it(fake_pg, tmp_path):
+def test_the_step_plan_meets_its_budget_and_the_forward_switches_to_it(fake_pg_numbers, tmp_path):
     _, _, fastest = _train({"nanobatches": "auto", "cache_dir": str(tmp_path / "a")}, steps=1)
     baseline = fastest.planner.plan.baseline
     assert fastest.planner.plan.predicted.time_s <= baseline.time_s  # the default: fastest
@@ -180,7 +180,8 @@ def test_a_budget_every_plan_meets_runs_and_is_logged_as_changing_nothing(fake_p
                for r in caplog.records)
 
 
-def test_verify_runs_a_wrong_rewrite_unrewritten(fake_pg, tmp_path, monkeypatch, caplog):
+def test_verify_runs_a_wrong_rewrite_unrewritten(fake_pg_numbers, tmp_path, monkeypatch,
+                                                 caplog):
     from kareus.runtime import materialise
 
     apply = materialise.apply

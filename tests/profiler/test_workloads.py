@@ -37,11 +37,23 @@ def test_random_inputs_keep_the_graphs_layout():
     # A backward graph may take a permuted saved tensor and view it in a way only that
     # layout allows (seen on a TP8 Llama block's backward partition).
     val = torch.empty(4, 16, 3, 8).permute(0, 1, 3, 2)  # [4, 16, 8, 3], channels-last-like
-    half = _random_like(val, Split(0), 2)
-    assert half.shape == (2, 16, 8, 3) and half.stride() == val.stride()
-    half.permute(0, 1, 3, 2).view(2, 16, 24)  # the view the graph makes: needs the layout
+    for sliced in (True, False):  # a graph input the rewrite slices, or a value computed
+        half = _random_like(val, Split(0), sliced, 2)
+        assert half.shape == (2, 16, 8, 3)
+        half.permute(0, 1, 3, 2).view(2, 16, 24)  # the view the graph makes: needs the layout
+    assert _random_like(val, Split(0), True, 2).stride() == val.stride()
     with pytest.raises(RuntimeError, match="view"):
         torch.randn(2, 16, 8, 3).permute(0, 1, 3, 2).view(2, 16, 24)
+
+
+def test_a_value_computed_per_nanobatch_is_dense_where_a_slice_would_not_be():
+    # One nanobatch of a value split along an inner dim: the rewrite's op computes it
+    # dense (torch 2.11's collectives take nothing else); a graph input is sliced.
+    val = torch.empty(8, 4, 16)
+    assert _random_like(val, Split(1), False, 2).is_contiguous()
+    assert not _random_like(val, Split(1), True, 2).is_contiguous()
+    grouped = torch.empty(4, 2, 1, 8, 16).expand(4, 2, 3, 8, 16)  # GQA keys over heads
+    assert _random_like(grouped, Split(0), False, 2).stride() == (256, 128, 0, 16, 1)
 
 
 class MaskedBlock(torch.nn.Module):

@@ -129,14 +129,16 @@ def _worker(rank, port, out_dir, world, tp, schedule, options, case):
             if all(g.label in frontiers for g in i.graphs):
                 baseline[i.stage, i.microbatch, i.kind] = sum(
                     g.calls * frontiers[g.label].baseline.time_s for g in i.graphs)
-        labels = [r.label for r in kareus.graph_reports()]
+        # torch 2.11's stages also run once without gradients, on meta tensors, to infer
+        # their shapes: inference graphs that no instruction runs.
+        labels = [r.label for r in kareus.graph_reports() if r.kind != "inference"]
         planning = backend.pipeline
         orders = planning.shape.orders if planning else None
         notes = [n for r in kareus.graph_reports() for n in r.notes]
         split = {label: [list(p) for p in next(o.choice.partitions for o in f.nanobatched
                                                if o.choice.nanobatches == 2)]
                  for label, f in frontiers.items()
-                 if any(o.choice.nanobatches == 2 for o in f.nanobatched)}
+                 if label in labels and any(o.choice.nanobatches == 2 for o in f.nanobatched)}
         report(out_dir, rank, {
             "plan": plan.to_json() if plan else None, "stage": stage_index,
             "switches": [(s.graph, s.mhz) for s in recorder.switches],

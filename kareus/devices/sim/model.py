@@ -99,7 +99,7 @@ from kareus.devices.sim.presets import TENSOR_TIME_SCALE, GPUSpec, load_preset
 from kareus.passes.collectives import WAIT_OP, find_collectives, size_hint
 from kareus.passes.collectives import Collective as CollectiveRecord
 from kareus.passes.ops import DEFAULT_CLOCK_MHZ, OP_TABLE, SET_CLOCK, Cost, OpTable
-from kareus.passes.schema import arguments
+from kareus.passes.schema import arguments, position
 
 aten = torch.ops.aten
 
@@ -224,6 +224,8 @@ def _kernel(node: torch.fx.Node, tf32: bool, table: OpTable) -> Kernel:
     if formula is None or not out:
         return Kernel(node.name, 0.0, float(read), float(write))
     args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val", n))
+    if facts.cost is Cost.ATTENTION:
+        args = _query_heads(node, args)
     flops = float(size_hint(formula(*args, **kwargs, out_val=_val(node))))
     # Causal attention skips the masked half (the registry counts all of it).
     flops *= 0.5 if named.get("is_causal") else 1.0
@@ -248,6 +250,26 @@ def _kernel(node: torch.fx.Node, tf32: bool, table: OpTable) -> Kernel:
         batch, m, n = math.prod(shape[:-2]), shape[-2], shape[-1]
         grid = (batch, m, n, max(1, round(flops / (2 * batch * m * n))))
     return Kernel(node.name, tensor_flops, float(read), float(write), kind, grid)
+
+
+def _query_heads(node: torch.fx.Node, args: tuple) -> tuple:
+    """An attention kernel's arguments for its flop formula, grouped-query attention's keys
+    and values with as many heads as its queries: the kernel broadcasts them, and torch
+    2.11's formulas take equal heads only (2.13's count the same work either way)."""
+    try:
+        query, key, value = (position(node, name) for name in ("query", "key", "value"))
+    except ValueError:
+        return args
+    if len(args) <= max(query, key, value) or args[query].dim() != 4:
+        return args
+    heads = args[query].shape[1]
+    widened = list(args)
+    for i in (key, value):
+        t = args[i]
+        if t.dim() == 4 and t.shape[1] != heads:
+            shape = [size_hint(d) for d in (t.shape[0], heads, *t.shape[2:])]
+            widened[i] = torch.empty(shape, dtype=t.dtype, device="meta")
+    return tuple(widened)
 
 
 def _collective(record: CollectiveRecord, world_size: int) -> Collective:
