@@ -18,7 +18,6 @@ a placement rule), everything else is a memory-bound kernel without a rule.
 from __future__ import annotations
 
 import operator
-import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
@@ -100,18 +99,23 @@ def _resize_split(node: torch.fx.Node, args: tuple, p: NodePlacement, k: int) ->
 
 
 def _resize_slice(node: torch.fx.Node, args: tuple, p: NodePlacement, k: int) -> tuple:
-    """A slice along the split dim that the rule accepted takes the whole dim: keep all of it."""
+    """slice / slice_scatter along the split dim that the rule accepted (the whole dim, or
+    whole blocks of a blocked one): one nanobatch's bounds, each block's chunk 1/k of it."""
     if not isinstance(p, Split):
         return args
-    dim = args[1] if len(args) > 1 else 0
-    if dim % len(_shape(node)) == p.dim:
-        return (args[0], args[1], 0, sys.maxsize, *args[4:])
-    return args
+    index = position(node, "dim")
+    dim = args[index] if len(args) > index else 0
+    size = _shape(node.args[0])
+    if dim % len(size) != p.dim:
+        return args
+    given = (*args[index + 1 : index + 3], None, None)[:2]
+    start, end = rules.slice_bounds(*given, size[p.dim])
+    return (*args[: index + 1], start // k, end // k, *args[index + 3 :])
 
 
 def _resize_all_to_all(node: torch.fx.Node, args: tuple, p: NodePlacement, k: int) -> tuple:
-    """An all-to-all of split rows (even blocks, ``rules.all_to_all``): each rank's block
-    holds one nanobatch's share."""
+    """An all-to-all of split rows (even blocks, or all rows to one rank:
+    ``rules.all_to_all``): each rank's block holds one nanobatch's share."""
     if not isinstance(p, Split) or p.dim != 0:
         return args
     resized = list(args)
@@ -164,7 +168,9 @@ _ENTRIES: dict[object, OpFacts] = {
     aten.squeeze: _view(rules.squeeze),
     aten.slice: _view(rules.slice_, _resize_slice),
     aten.select: _view(rules.select),
-    aten.slice_scatter: OpFacts(Cost.MEMORY, rules.scatter_into, aligned_operands=("input",)),
+    aten.slice_scatter: OpFacts(
+        Cost.MEMORY, rules.scatter_into, _resize_slice, aligned_operands=("input",)
+    ),
     aten.select_scatter: OpFacts(Cost.MEMORY, rules.scatter_into, aligned_operands=("input",)),
     aten.split: _view(rules.split, _resize_split),
     aten.split_with_sizes: _view(rules.split, _resize_split),

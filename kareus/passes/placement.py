@@ -483,14 +483,37 @@ def view_as_real(ctx: RuleContext) -> NodePlacement | Reason:
 
 
 def slice_(ctx: RuleContext) -> NodePlacement | Reason:
+    """A slice of another dim, or of whole blocks of a blocked split dim (one rank's keys
+    out of an all-gather): chunk ``i`` of each block it keeps is chunk ``i`` of the slice."""
     p = _input(ctx)
     if not isinstance(p, Split):
         return _replicate_or_partial(p)
     src = _shape_of(ctx.arg("input"))
     dim = _norm(ctx.arg("dim", 0), len(src))
-    if dim == p.dim and _shape(ctx.out) != src:
-        return _along_split_dim("slice along the split dim")
-    return p
+    if dim != p.dim or _shape(ctx.out) == src:
+        return p
+    bounds = slice_bounds(ctx.arg("start"), ctx.arg("end"), src[dim])
+    blocks = _whole_blocks(bounds, ctx.arg("step", 1), src[dim] // p.blocks)
+    if blocks is None:
+        return _along_split_dim("slice along the split dim, not of whole blocks")
+    return Split(dim, blocks)
+
+
+def slice_bounds(start: object, end: object, size: int) -> tuple[int, int]:
+    """``aten.slice``'s start and end (None, negative or past the end) within ``size``."""
+    def bound(x: object, default: int) -> int:
+        x = default if x is None else int(x)
+        return min(max(x + size if x < 0 else x, 0), size)
+
+    return bound(start, 0), bound(end, size)
+
+
+def _whole_blocks(bounds: tuple[int, int], step: object, block: int) -> int | None:
+    """How many whole blocks of ``block`` rows ``bounds`` covers (None: it cuts one)."""
+    start, end = bounds
+    if step != 1 or start % block or end % block or end <= start:
+        return None
+    return (end - start) // block
 
 
 def scatter_into(ctx: RuleContext) -> NodePlacement | Reason:
@@ -500,8 +523,12 @@ def scatter_into(ctx: RuleContext) -> NodePlacement | Reason:
     src = ctx.pl(ctx.arg("src"))
     ndim = len(_shape(ctx.out))
     dim = _norm(ctx.arg("dim", 0), ndim)
-    if not isinstance(src, Split) or src.blocks != 1:
+    if not isinstance(src, Split):
         return _unsupported_form("scatter of an unsplit source")
+    if src.dim == dim and "start" in ctx.args:
+        return _scatter_blocks(ctx, src, dim)
+    if src.blocks != 1:
+        return _unsupported_form("scatter of a blocked source")
     lacks_dim = len(_shape_of(ctx.arg("src"))) < ndim  # select_scatter's src has no ``dim``
     out = Split(src.dim + (lacks_dim and src.dim >= dim))
     if out.dim == dim:
@@ -510,6 +537,29 @@ def scatter_into(ctx: RuleContext) -> NodePlacement | Reason:
     if base != out and not isinstance(base, Replicate):
         return _operands_split_apart("scatter into a value split otherwise")
     return out
+
+
+FILLS = frozenset({
+    aten.full.default, aten.zeros.default, aten.ones.default, aten.full_like.default,
+    aten.zeros_like.default, aten.ones_like.default, aten.new_zeros.default,
+    aten.new_ones.default, aten.new_full.default,
+})
+"""Ops that fill their output with one value: any slice of it is any nanobatch's slice."""
+
+
+def _scatter_blocks(ctx: RuleContext, src: Split, dim: int) -> NodePlacement | Reason:
+    """slice_scatter of whole blocks along the split dim into a constant fill (the
+    gradient of one rank's keys in an all-gathered buffer): the output is blocked alike,
+    and each nanobatch writes its chunks into its slice of the fill."""
+    size = _shape(ctx.out)[dim]
+    bounds = slice_bounds(ctx.arg("start"), ctx.arg("end"), size)
+    block = (bounds[1] - bounds[0]) // src.blocks
+    base = ctx.arg("input")
+    if not block or size % block or _whole_blocks(bounds, ctx.arg("step", 1), block) is None:
+        return _along_split_dim("scatter along the split dim, not of whole blocks")
+    if not isinstance(base, torch.fx.Node) or base.target not in FILLS:
+        return _unsupported_form("scatter of blocks into a value that is not a constant fill")
+    return Split(dim, size // block)
 
 
 def select(ctx: RuleContext) -> NodePlacement | Reason:
@@ -531,10 +581,10 @@ def split(ctx: RuleContext) -> NodePlacement | Reason:
     dim = _norm(ctx.arg("dim", 0), len(src))
     if dim != p.dim:
         return (p,) * n
-    # Splitting a blocked dim into its blocks (an all-gather followed by DTensor's
-    # re-layout) leaves each block chunked the same way.
-    if p.blocks > 1 and n == p.blocks and all(_shape(o)[dim] == src[dim] // n for o in ctx.out):
-        return (Split(dim),) * n
+    # Splitting a blocked dim into groups of whole blocks (an all-gather followed by
+    # DTensor's re-layout, or by one chunk per rank) leaves each block chunked the same way.
+    if p.blocks % n == 0 and all(_shape(o)[dim] == src[dim] // n for o in ctx.out):
+        return (Split(dim, p.blocks // n),) * n
     return _along_split_dim("split along the split dim")
 
 
@@ -562,9 +612,9 @@ def cat(ctx: RuleContext) -> NodePlacement | Reason:
     if dim != p.dim:
         return p
     sizes = {_shape_of(t)[dim] for t in tensors}
-    if p.blocks == 1 and len(sizes) == 1:
-        return Split(dim, len(tensors))
-    return _along_split_dim("concatenation along the split dim of unequal or blocked pieces")
+    if len(sizes) == 1:
+        return Split(dim, len(tensors) * p.blocks)
+    return _along_split_dim("concatenation along the split dim of unequal pieces")
 
 
 def stack(ctx: RuleContext) -> NodePlacement | Reason:
@@ -954,7 +1004,8 @@ def all_gather(ctx: RuleContext) -> NodePlacement | Reason:
         return _unsplit(p, "all-gather")
     if p.dim != 0:
         return p
-    return Split(0, n) if p.blocks == 1 else _along_split_dim("all-gather of a blocked split dim")
+    # Each rank's blocks, laid end to end in rank order: every one chunked alike.
+    return Split(0, n * p.blocks)
 
 
 def reduce_scatter(ctx: RuleContext) -> NodePlacement | Reason:
@@ -965,7 +1016,17 @@ def reduce_scatter(ctx: RuleContext) -> NodePlacement | Reason:
         return _replicate_or_partial(p)
     if p.dim != 0:
         return p
-    return Split(0) if p.blocks == n else _along_split_dim("reduce-scatter along the batch dim")
+    if p.blocks % n:
+        return _along_split_dim(
+            f"reduce-scatter of rows split in {p.blocks} block(s) over {n} ranks: a rank's "
+            "part cuts a block"
+        )
+    return Split(0, p.blocks // n)
+
+
+def _permutation(sizes: Sequence[int], rows: int) -> bool:
+    """Whether one rank's block is all ``rows`` and the others' are empty."""
+    return sorted(sizes)[-1:] == [rows] and sum(sizes) == rows
 
 
 def all_to_all(ctx: RuleContext) -> NodePlacement | Reason:
@@ -973,8 +1034,11 @@ def all_to_all(ctx: RuleContext) -> NodePlacement | Reason:
     ``output_split_sizes`` blocks. A split along another dim travels with its rows, and a
     partial sum stays one (the exchange is linear), whatever the sizes. Along dim 0 a
     nanobatch must send its share of every rank's block: a split into blocks that refine
-    the ranks' blocks, with even sizes, the same on every rank. Sizes computed in the graph
-    or uneven (an MoE's token counts) vary by rank, so no share is known on every rank."""
+    the ranks' blocks, with even sizes, the same on every rank; or all rows go to one rank
+    and come from one (``funcol.permute_tensor``, a ring's shift: sizes that differ by rank
+    only in which rank that is), so a nanobatch's share is its own rows. Sizes computed in
+    the graph or uneven otherwise (an MoE's token counts) vary by rank, so no share is known
+    on every rank."""
     p = _input(ctx)
     if not isinstance(p, Split):
         return _replicate_or_partial(p)
@@ -988,6 +1052,8 @@ def all_to_all(ctx: RuleContext) -> NodePlacement | Reason:
             "a nanobatch's share of each rank's rows is not known on every rank"
         )
     rows, n = _shape_of(ctx.arg("input"))[0], len(sent)
+    if _permutation(sent, rows) and _permutation(received, _shape(ctx.out)[0]):
+        return p  # each rank's rows go whole to one rank (a ring's shift): any split follows
     if any(s * n != rows for s in sizes):
         return _data_dependent_sizes(
             f"all-to-all of split rows with uneven split sizes (sent {list(sent)}, received "
