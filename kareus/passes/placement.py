@@ -24,9 +24,10 @@ Placements (DESIGN.md section 3), propagated through the graph from its inputs:
 A rule (one per op, found in ``ops.OP_TABLE``) returns a placement or a ``Reason`` saying
 why it cannot split, of a kind that reports and tests group by. Rules cover the ops of the
 post-AOT graphs of Llama-family models as torchtitan and Hugging Face write them, under
-tensor, sequence and loss parallelism, and all-to-alls whose split sizes every rank knows
-(sequence parallelism over heads); an MoE's token exchange, whose sizes are token counts,
-ends a split region.
+tensor, sequence and loss parallelism, all-gathers of blocked values and slices of their
+blocks (context parallelism's keys and values), and all-to-alls whose split sizes every rank
+knows (sequence parallelism over heads, a ring's shift); an MoE's token exchange, whose
+sizes are token counts, ends a split region.
 """
 
 from __future__ import annotations
