@@ -344,6 +344,15 @@ def test_grouped_query_attention_counts_the_work_of_every_query_head():
     (kernel,) = graph_cost(grouped).kernels
     assert kernel.flops == 4 * 256 * 256 * 64 * 8
 
+    def backward(q, k, v):
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        with torch.enable_grad():
+            return torch.autograd.grad(attention(q, k, v).sum(), (q, k, v))
+
+    both = graph_cost(trace(backward, (1, 8, 256, 64), (1, 2, 256, 64), (1, 2, 256, 64)))
+    bwd = next(k for k in both.kernels if k.kind is KernelClass.ATTENTION_BWD)
+    assert bwd.grid == (2, 256)  # only the count is widened: the grid walks the keys' heads
+
 
 def test_collective_group_sizes(group):
     gathered = graph_cost(collective("all_gather", 8 << 20, group), world_size=2)

@@ -224,9 +224,8 @@ def _kernel(node: torch.fx.Node, tf32: bool, table: OpTable) -> Kernel:
     if formula is None or not out:
         return Kernel(node.name, 0.0, float(read), float(write))
     args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val", n))
-    if facts.cost is Cost.ATTENTION:
-        args = _query_heads(node, args)
-    flops = float(size_hint(formula(*args, **kwargs, out_val=_val(node))))
+    counted = _query_heads(node, args) if facts.cost is Cost.ATTENTION else args
+    flops = float(size_hint(formula(*counted, **kwargs, out_val=_val(node))))
     # Causal attention skips the masked half (the registry counts all of it).
     flops *= 0.5 if named.get("is_causal") else 1.0
     if flops <= 0:
