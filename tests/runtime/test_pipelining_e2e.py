@@ -9,6 +9,7 @@ The simulated GPU here is the A100 preset with a clock switch of 1 us
 
 import contextlib
 import json
+import re
 import time
 
 import pytest
@@ -146,6 +147,12 @@ def _worker(rank, port, out_dir, world, tp, schedule, options, case):
             "notes": notes, "orders": orders,
         })
         dist.barrier()
+    except Exception as exc:
+        if not case.get("report_error"):
+            raise
+        # torch 2.11's stages exchange shapes first: a stage whose compile refuses a plan
+        # leaves the next one with a closed connection, which spawn may report instead.
+        report(out_dir, rank, {"error": f"{type(exc).__name__}: {exc}"})
     finally:
         dist.destroy_process_group()
     leave()
@@ -264,10 +271,11 @@ def test_a_second_run_reuses_the_stored_plan_and_one_for_another_pipeline_is_ref
     plan["pipeline"]["microbatches"] = 8
     path = tmp_path / "other.json"
     path.write_text(json.dumps(plan))
-    with pytest.raises(Exception, match=r"the plan was made for another pipeline \(1f1b, 2 "
-                       r"stages on 2 ranks, 8 microbatches\) than this one \(1f1b, 2 stages on "
-                       r"2 ranks, 4 microbatches\)"):
-        _run(tmp_path, case={"steps": 1}, plan=str(path), nanobatches=1)
+    refused = _run(tmp_path, case={"steps": 1, "report_error": True}, plan=str(path),
+                   nanobatches=1)
+    assert re.search(r"the plan was made for another pipeline \(1f1b, 2 stages on 2 ranks, 8 "
+                     r"microbatches\) than this one \(1f1b, 2 stages on 2 ranks, 4 "
+                     r"microbatches\)", refused[0]["error"]), refused[0]
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
