@@ -19,6 +19,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.multiprocessing as mp
 
+from kareus import KareusBackend
+
 
 class AllReduceBlock(torch.nn.Module):
     def __init__(self, hidden: int = 16):
@@ -51,3 +53,30 @@ def run_ranks(worker: Callable[..., None], *args: Any, nprocs: int = 2) -> list[
             worker, args=(port, out, *args), nprocs=nprocs, start_method="spawn"
         )
         return [pickle.loads(Path(out, str(r)).read_bytes()) for r in range(nprocs)]
+
+
+def sequence_shards(rank: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Both ranks' shards of a ``[4, 16, 32]`` batch along the sequence, and this rank's."""
+    shards = [torch.randn(4, 8, 32, generator=torch.Generator().manual_seed(r)) for r in (0, 1)]
+    return shards, shards[rank]
+
+
+def against_eager(model: torch.nn.Module, x: torch.Tensor, lowering: str) -> dict[str, Any]:
+    """``model`` on ``x`` (loss: the output's mean square) run eagerly and compiled with
+    kareus at 2 nanobatches: the eager output and gradients, how far kareus's are from them,
+    and the graphs kareus compiled (kind, applied count, collectives split, collectives)."""
+    backend = KareusBackend({"nanobatches": 2, "lowering": lowering, "profile": "off"})
+    runs = {}
+    for name, run in (("eager", model), ("kareus", torch.compile(model, backend=backend))):
+        out = run(x)
+        out.square().mean().backward()
+        runs[name] = out.detach(), [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+    (ref, ref_grads), (out, grads) = runs["eager"], runs["kareus"]
+    return {
+        "out": ref, "grads": ref_grads,
+        "out_diff": (out - ref).abs().max().item(),
+        "grad_diff": max((a - b).abs().max().item() for a, b in zip(grads, ref_grads, strict=True)),
+        "graphs": [(r.kind, r.choice.nanobatches, r.coverage.split, r.coverage.total)
+                   for r in backend.reports()],
+    }

@@ -17,11 +17,11 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from conftest import analysed
-from gloo import leave, report, run_ranks
+from gloo import against_eager, leave, report, run_ranks, sequence_shards
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing import FileCheck
 
-from kareus import KareusBackend, ReasonKind
+from kareus import ReasonKind
 from kareus.codegen.apply import apply
 from kareus.passes.decide import Policy, decide
 from kareus.passes.ops import OP_TABLE
@@ -122,12 +122,12 @@ def test_token_counts_computed_in_the_graph_end_the_split_region(fake_pg):
     assert "computed in the graph" in barrier.detail
 
 
-def _dense(model, x):
+def dense_attention(model, x, causal=True):
     """``model``'s attention without parallelism, on the whole sequence."""
     b, s, _ = x.shape
     q, k, v = (p(x).view(b, s, model.heads, -1).transpose(1, 2)
                for p in (model.q, model.k, model.v))
-    o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     return x + model.o(o.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -136,25 +136,13 @@ def _worker(rank, port, out_dir, lowering):
     try:
         torch.manual_seed(0)
         model = UlyssesAttention()
-        shards = [torch.randn(4, 8, 32, generator=torch.Generator().manual_seed(r)) for r in (0, 1)]
-        x = shards[rank]
-        runs = {}
-        backend = KareusBackend({"nanobatches": 2, "lowering": lowering, "profile": "off"})
-        for name, run in (("eager", model), ("kareus", torch.compile(model, backend=backend))):
-            out = run(x)
-            out.square().mean().backward()
-            runs[name] = out.detach(), [p.grad.clone() for p in model.parameters()]
-            model.zero_grad()
-        (ref, ref_grads), (out, grads) = runs["eager"], runs["kareus"]
+        shards, x = sequence_shards(rank)
+        result = against_eager(model, x, lowering)
         with torch.no_grad():  # the layout itself: attention over the whole sequence, on one rank
-            dense = _dense(model, torch.cat(shards, dim=1))[:, 8 * rank : 8 * (rank + 1)]
+            dense = dense_attention(model, torch.cat(shards, dim=1))[:, 8 * rank : 8 * (rank + 1)]
         report(out_dir, rank, {
-            "layout_diff": (ref - dense).abs().max().item(),
-            "out_diff": (out - ref).abs().max().item(),
-            "grad_diff": max((a - b).abs().max().item()
-                             for a, b in zip(grads, ref_grads, strict=True)),
-            "graphs": [(r.kind, r.choice.nanobatches, r.coverage.split, r.coverage.total)
-                       for r in backend.reports()],
+            "layout_diff": (result.pop("out") - dense).abs().max().item(),
+            **{k: v for k, v in result.items() if k != "grads"},
         })
     finally:
         dist.destroy_process_group()

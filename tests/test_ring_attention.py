@@ -24,10 +24,10 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from conftest import analysed
-from gloo import leave, report, run_ranks
+from gloo import against_eager, leave, report, run_ranks, sequence_shards
+from test_all_to_all import UlyssesAttention, dense_attention
 from torch.testing import FileCheck
 
-from kareus import KareusBackend
 from kareus.codegen.apply import apply
 from kareus.passes.decide import Policy, decide
 from kareus.passes.placement import Split
@@ -54,14 +54,9 @@ class _GatherKeysValues(torch.autograd.Function):
         return parts[rank] + funcol.wait_tensor(shifted)
 
 
-class RingAttention(torch.nn.Module):
+class RingAttention(UlyssesAttention):
     """Attention of this rank's queries over every rank's keys and values: ``[batch,
-    seq / 2, dim]`` on each of 2 ranks."""
-
-    def __init__(self, dim: int = 32, heads: int = 4):
-        super().__init__()
-        self.heads = heads
-        self.q, self.k, self.v, self.o = (torch.nn.Linear(dim, dim) for _ in range(4))
+    seq / 2, dim]`` on each of 2 ranks (the projections of ``UlyssesAttention``)."""
 
     def forward(self, x):
         b, s, _ = x.shape
@@ -103,41 +98,23 @@ def _worker(rank, port, out_dir, lowering):
     try:
         torch.manual_seed(0)
         model = RingAttention()
-        shards = [torch.randn(4, 8, 32, generator=torch.Generator().manual_seed(r)) for r in (0, 1)]
-        runs = {}
-        backend = KareusBackend({"nanobatches": 2, "lowering": lowering, "profile": "off"})
-        for name, run in (("eager", model), ("kareus", torch.compile(model, backend=backend))):
-            out = run(shards[rank])
-            out.square().mean().backward()
-            runs[name] = out.detach(), [p.grad.clone() for p in model.parameters()]
-            model.zero_grad()
-        (ref, ref_grads), (out, grads) = runs["eager"], runs["kareus"]
-        dense = _dense(model, torch.cat(shards, dim=1))  # every query over every key
+        shards, x = sequence_shards(rank)
+        result = against_eager(model, x, lowering)
+        dense = dense_attention(model, torch.cat(shards, dim=1), causal=False)  # every key
         dense.square().mean().backward()
-        summed = [g.clone() for g in ref_grads]
+        summed = [g.clone() for g in result.pop("grads")]
         for g in summed:  # each rank's loss is its half's mean: half the whole's, summed
             dist.all_reduce(g)
         report(out_dir, rank, {
-            "layout_diff": (ref - dense[:, 8 * rank : 8 * (rank + 1)]).abs().max().item(),
+            "layout_diff": (result.pop("out") - dense[:, 8 * rank : 8 * (rank + 1)])
+            .abs().max().item(),
             "layout_grad_diff": max((2 * p.grad - g).abs().max().item()
                                     for p, g in zip(model.parameters(), summed, strict=True)),
-            "out_diff": (out - ref).abs().max().item(),
-            "grad_diff": max((a - b).abs().max().item()
-                             for a, b in zip(grads, ref_grads, strict=True)),
-            "graphs": [(r.kind, r.choice.nanobatches, r.coverage.split, r.coverage.total)
-                       for r in backend.reports()],
+            **result,
         })
     finally:
         dist.destroy_process_group()
     leave()
-
-
-def _dense(model, x):
-    b, s, _ = x.shape
-    q, k, v = (p(x).view(b, s, model.heads, -1).transpose(1, 2)
-               for p in (model.q, model.k, model.v))
-    o = F.scaled_dot_product_attention(q, k, v)
-    return x + model.o(o.transpose(1, 2).reshape(b, s, -1))
 
 
 @pytest.mark.slow
