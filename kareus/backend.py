@@ -46,7 +46,7 @@ from kareus.runtime.materialise import GraphBuilder, agreed
 from kareus.runtime.pipelining import Detection, detect
 from kareus.runtime.selectable import SelectableGraph
 from kareus.verify import Verifier
-from kareus.version import __version__
+from kareus.version import build
 
 log = logging.getLogger("kareus")
 
@@ -124,7 +124,7 @@ class KareusBackend:
             options = self.options
             self._planner = StepPlanner(
                 options.to_dict(), options.planning(), options.budget, self.device,
-                __version__, self.store_dir / "plans", counts=options.plan_counts,
+                build(), self.store_dir / "plans", counts=options.plan_counts,
                 microbatches=options.microbatches, timeout_s=options.agreement_timeout_s,
                 given=self._given_plan, publish=self.runtime.backends.publish,
             )

@@ -79,14 +79,14 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
 from kareus.closing import Closing
 from kareus.devices.base import Measurement
 from kareus.errors import KareusError
-from kareus.version import __version__
+from kareus.version import build
 
 logger = logging.getLogger("kareus")
 
@@ -169,7 +169,8 @@ class ProfileKey:
     """The simulated model's version (``Measurement.model_version``); None for hardware."""
     clocks: tuple[int, ...]
     group_size: int
-    kareus_version: str = __version__
+    kareus_version: str = field(default_factory=build)
+    """The kareus build that measured it (``version.build``: version and source digest)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "clocks", tuple(sorted({int(c) for c in self.clocks}))[::-1])

@@ -7,6 +7,7 @@ with pytest's, without each paying the ~2 s import of kareus and torch.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import multiprocessing
 import os
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+import kareus
 from kareus import KareusError
 from kareus.devices.base import Measurement
 from kareus.profiler import store as store_module
@@ -34,6 +36,7 @@ from kareus.profiler.store import (
     ProfileStoreError,
     SearchRecord,
 )
+from kareus.version import build
 
 KEY = ProfileKey("3f" * 32, "sim:h200", "sim-v2", (1980, 1500, 1200), 2, "0.1.0")
 
@@ -118,6 +121,27 @@ def test_keys_do_not_mix(tmp_path, change):
         store.record(other, knobs(0), measurement(5))
         assert store.lookup(KEY, knobs(0)).measurement == measurement(0)
         assert store.keys() == [KEY, other]
+
+
+def _build_of(package: Path) -> str:
+    """``version.build()`` of the kareus package at ``package``."""
+    spec = importlib.util.spec_from_file_location("copied_kareus_version", package / "version.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.build()
+
+
+def test_a_key_is_by_default_the_running_builds_which_changes_with_kareus_source(tmp_path):
+    """A stored measurement keyed by the version number alone outlived rule changes."""
+    package = tmp_path / "kareus"
+    shutil.copytree(Path(kareus.__file__).parent, package,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    default = ProfileKey("3f" * 32, "sim:h200", None, (1980,), 2)
+    assert _build_of(package) == build() == default.kareus_version
+    assert build().startswith(kareus.__version__ + "+")
+    rules = package / "passes" / "placement.py"
+    rules.write_text(rules.read_text() + "\n# a rule changed\n")
+    assert _build_of(package) != build()
 
 
 def test_knobs_do_not_mix(tmp_path):
