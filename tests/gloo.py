@@ -61,10 +61,13 @@ def sequence_shards(rank: int) -> tuple[list[torch.Tensor], torch.Tensor]:
     return shards, shards[rank]
 
 
-def against_eager(model: torch.nn.Module, x: torch.Tensor, lowering: str) -> dict[str, Any]:
+def against_eager(
+    model: torch.nn.Module, x: torch.Tensor, lowering: str
+) -> tuple[torch.Tensor, list[torch.Tensor], dict[str, Any]]:
     """``model`` on ``x`` (loss: the output's mean square) run eagerly and compiled with
-    kareus at 2 nanobatches: the eager output and gradients, how far kareus's are from them,
-    and the graphs kareus compiled (kind, applied count, collectives split, collectives)."""
+    kareus at 2 nanobatches: the eager output and gradients, and what to report: how far
+    kareus's are from them, and the graphs kareus compiled (kind, applied count,
+    collectives split, collectives)."""
     backend = KareusBackend({"nanobatches": 2, "lowering": lowering, "profile": "off"})
     runs = {}
     for name, run in (("eager", model), ("kareus", torch.compile(model, backend=backend))):
@@ -73,8 +76,7 @@ def against_eager(model: torch.nn.Module, x: torch.Tensor, lowering: str) -> dic
         runs[name] = out.detach(), [p.grad.clone() for p in model.parameters()]
         model.zero_grad()
     (ref, ref_grads), (out, grads) = runs["eager"], runs["kareus"]
-    return {
-        "out": ref, "grads": ref_grads,
+    return ref, ref_grads, {
         "out_diff": (out - ref).abs().max().item(),
         "grad_diff": max((a - b).abs().max().item() for a, b in zip(grads, ref_grads, strict=True)),
         "graphs": [(r.kind, r.choice.nanobatches, r.coverage.split, r.coverage.total)
