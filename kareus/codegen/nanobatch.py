@@ -25,6 +25,7 @@ It is emitted from the same per-node plan, so it slices, resizes and issues as t
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from kareus.errors import KareusError
-from kareus.passes.collectives import Collective
+from kareus.passes.collectives import Collective, size_hint
 from kareus.passes.ops import OP_TABLE, OpTable, Resize
 from kareus.passes.partition import GraphPartitioning, Partition, canonical_order
 from kareus.passes.placement import (
@@ -54,6 +55,7 @@ from kareus.passes.placement import (
     sliced_dim,
 )
 from kareus.passes.schema import arguments, position
+from kareus.passes.sizes import shape, symbolic, units
 
 aten = torch.ops.aten
 
@@ -178,7 +180,12 @@ class NanobatchRewrite:
     def _propagate(self, gm: torch.fx.GraphModule, seen: dict[torch.fx.Node, object]) -> None:
         """Fake-tensor propagation of the nodes not in ``seen`` (their values)."""
         env = dict(seen)  # the interpreter adds to it and frees from it
-        with self.fake_mode:
+        shape_env = self.fake_mode.shape_env
+        # Sizes of pieces (``c * (j * R // k)``) are derived expressions that broadcasting's
+        # checks for 1 would guard on: a piece meets only values cut alike, so no such check
+        # changes a shape, and none may specialise the caller's dynamic graph.
+        quiet = shape_env.suppress_guards() if shape_env is not None else contextlib.nullcontext()
+        with self.fake_mode, quiet:
             FakeTensorProp(gm, mode=self.fake_mode).run(*self.inputs, initial_env=env)
 
 
@@ -457,11 +464,9 @@ class _Emitter:
                     aten.clone.default, (new,), ("dense", node),
                     {"memory_format": torch.contiguous_format},
                 )
+            args = _slice_args(base, node, p.dim, self.k, self._sizer(("input", node)))
             self.pieces[node] = [
-                self._call(
-                    aten.slice.Tensor, _slice_args(base, node, p.dim, self.k, j), ("input", node, j)
-                )
-                for j in range(self.k)
+                self._call(aten.slice.Tensor, args[j], ("input", node, j)) for j in range(self.k)
             ]
 
     def _copy_once(self, node: torch.fx.Node) -> torch.fx.Node:
@@ -487,14 +492,15 @@ class _Emitter:
         """Nanobatch ``j``'s slice of whole value ``arg`` along ``dim`` (all k made at once)."""
         key = (arg, dim)
         if key not in self.slices:
-            whole = self.whole(arg)
+            args = _slice_args(self.whole(arg), arg, dim, self.k, self._sizer(("slice", *key)))
             self.slices[key] = [
-                self._call(
-                    aten.slice.Tensor, _slice_args(whole, arg, dim, self.k, i), ("slice", *key, i)
-                )
-                for i in range(self.k)
+                self._call(aten.slice.Tensor, args[i], ("slice", *key, i)) for i in range(self.k)
             ]
         return self.slices[key][j]
+
+    def _sizer(self, identity: Identity) -> Sizer:
+        """Emits the size arithmetic of a symbolic cut, its nodes named after ``identity``."""
+        return lambda target, args, step: self._call(target, args, (*identity, "size", step))
 
     def _output(self, node: torch.fx.Node) -> None:
         output = self.graph.output(torch.fx.node.map_arg(node.args[0], self.whole))
@@ -602,7 +608,7 @@ class _PartitionEmitter:
         node = self.partition.collective.node
 
         def slice_other(arg: torch.fx.Node, dim: int) -> torch.fx.Node:
-            args = _slice_args(other, arg, dim, self.k, 1)
+            args = _slice_args(other, arg, dim, self.k, self._sizer)[1]
             return _create(self.graph, "call_function", aten.slice.Tensor, args, None)
 
         args, kwargs = _copy_args(
@@ -610,10 +616,13 @@ class _PartitionEmitter:
         )
         return _create(self.graph, "call_function", node.target, args, kwargs)
 
+    def _sizer(self, target: Callable[..., object], args: tuple, step: str) -> torch.fx.Node:
+        return _create(self.graph, "call_function", target, args, None)
+
     def _slice(self, arg: torch.fx.Node, dim: int) -> torch.fx.Node:
         """This nanobatch's slice of whole value ``arg`` along ``dim`` (the rewrite's first)."""
         if (arg, dim) not in self.slices:
-            args = _slice_args(self.env[arg], arg, dim, self.k, 0)
+            args = _slice_args(self.env[arg], arg, dim, self.k, self._sizer)[0]
             self.slices[arg, dim] = _create(
                 self.graph, "call_function", aten.slice.Tensor, args, None
             )
@@ -627,8 +636,9 @@ def _create(
     graph: torch.fx.Graph, op: str, target: object, args: tuple, kwargs: dict[str, object] | None
 ) -> torch.fx.Node:
     """``graph.create_node`` without its walk over the arguments in search of raw SymInts
-    (torch 2.13; a third of the time to emit a variant): kareus splits only graphs of
-    static shapes, whose arguments hold none, so they are set after the node is made."""
+    (torch 2.13; a third of the time to emit a variant): arguments hold symbolic sizes
+    only as the nodes that compute them (the graph's, or a cut's), never as raw SymInts,
+    so they are set after the node is made."""
     node = graph.create_node(op, target)
     node.args = args
     if kwargs:
@@ -636,9 +646,8 @@ def _create(
     return node
 
 
-def _shape(node: torch.fx.Node) -> tuple[int, ...]:
-    val = node.meta.get("val")
-    return tuple(int(d) for d in val.shape)
+def _shape(node: torch.fx.Node) -> tuple[object, ...]:
+    return shape(node.meta.get("val"))
 
 
 def _copy_args(
@@ -664,10 +673,36 @@ def _copy_args(
     return args, kwargs
 
 
-def _slice_args(whole: torch.fx.Node, source: torch.fx.Node, dim: int, k: int, j: int) -> tuple:
-    """``aten.slice`` arguments taking nanobatch ``j`` of ``whole``, the value of ``source``."""
-    size = _shape(source)[dim] // k
-    return (whole, dim, j * size, (j + 1) * size)
+Sizer = Callable[[Callable[..., object], tuple, str], torch.fx.Node]
+"""Emits one step of size arithmetic: (target, args, step name) -> its node."""
+
+
+def _slice_args(
+    whole: torch.fx.Node, source: torch.fx.Node, dim: int, k: int, emit: Sizer
+) -> list[tuple]:
+    """``aten.slice`` arguments taking each nanobatch of ``whole``, the value of ``source``.
+
+    A static dim is cut in k equal parts (analysis checked it divides); a symbolic one of
+    ``c * R`` rows at ``c * (j * R // k)`` (``sizes.units``), sizes computed in the graph
+    from ``whole``'s own, so that every value of the graph is cut alike and nothing
+    guards on the batch size.
+    """
+    size = shape(source.meta.get("val"))[dim]
+    if not symbolic(size):
+        step = size // k
+        return [(whole, dim, j * step, (j + 1) * step) for j in range(k)]
+    coeff, _ = units(size)
+    rows = emit(aten.sym_size.int, (whole, dim), "rows")
+    batch = emit(operator.floordiv, (rows, coeff), "batch") if coeff > 1 else rows
+
+    def cut(j: int) -> object:
+        if j in (0, k):
+            return 0 if j == 0 else rows
+        share = emit(operator.floordiv, (emit(operator.mul, (batch, j), f"times{j}"), k), f"cut{j}")
+        return emit(operator.mul, (share, coeff), f"rows{j}") if coeff > 1 else share
+
+    cuts = [cut(j) for j in range(k + 1)]
+    return [(whole, dim, cuts[j], cuts[j + 1]) for j in range(k)]
 
 
 def _with_group(node: torch.fx.Node, args: tuple, group_name: str) -> tuple:
@@ -678,5 +713,6 @@ def _with_group(node: torch.fx.Node, args: tuple, group_name: str) -> tuple:
 
 def join_order(val: torch.Tensor) -> list[int]:
     """Dims of ``val`` from outermost to innermost in memory, broadcast (stride-0) dims first."""
-    return sorted(range(val.ndim), key=lambda d: (val.stride(d) != 0, -val.stride(d), -d))
+    strides = [size_hint(val.stride(d)) for d in range(val.ndim)]  # an order, not a guard
+    return sorted(range(val.ndim), key=lambda d: (strides[d] != 0, -strides[d], -d))
 

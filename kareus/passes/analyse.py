@@ -17,6 +17,7 @@ import torch
 import torch.fx
 
 from kareus.errors import KareusError
+from kareus.passes import sizes
 from kareus.passes.backends import exclusive_kinds
 from kareus.passes.collectives import Collective, find_collectives
 from kareus.passes.interface import (
@@ -91,19 +92,14 @@ def analyse(
     graph = gm.graph
     collectives = tuple(find_collectives(graph))
     partitioning = partition_graph(graph, collectives, table)
-    symbolic = symbolic_shapes(graph)
     placements, infeasible = {}, {}
     for k in NANOBATCH_COUNTS[1:]:
-        if symbolic:
-            # Placement reads sizes; on symbolic ones that would add guards and specialise
-            # the graph (a recompile per batch size), so such a graph is not split at all.
-            inputs: dict = {}
-        elif kind == "backward":
+        if kind == "backward":
             inputs = backward_inputs(graph, forward.get(k) if forward else None)
         else:
             inputs = forward_inputs(graph, static_input_idxs)
         placements[k] = propagate(graph, inputs, k, table)
-        why = symbolic or feasibility(graph, placements[k], k, collectives)
+        why = feasibility(graph, placements[k], k, collectives)
         if why:
             infeasible[k] = why
     interfaces = (
@@ -128,22 +124,6 @@ def analyse(
     )
 
 
-def symbolic_shapes(graph: torch.fx.Graph) -> Reason | None:
-    """Why ``graph`` is not split because its inputs have symbolic sizes (None: they don't)."""
-    for node in graph.find_nodes(op="placeholder"):
-        val = node.meta.get("val")
-        if isinstance(val, torch.SymInt) or (
-            isinstance(val, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in val.shape)
-        ):
-            return Reason(
-                ReasonKind.SYMBOLIC_SHAPES,
-                node.name,
-                "symbolic sizes (dynamic shapes): kareus splits only graphs of static shapes, "
-                "so that it never specialises a dynamic graph",
-            )
-    return None
-
-
 def feasibility(
     graph: torch.fx.Graph, result: PlacementResult, k: int, collectives: Sequence[Collective]
 ) -> Reason | None:
@@ -153,12 +133,26 @@ def feasibility(
     ]
     if not split_inputs:
         return Reason(ReasonKind.NO_SPLIT_INPUT, None, "no graph input is split along a batch dim")
+    batches = set()  # how split dims are cut: "static", or each symbolic batch expression
     for node, p in result.placements.items():
         for q in p if isinstance(p, tuple) else (p,):
             q = q.rows if isinstance(q, Aligned) else q  # sliced per nanobatch like a split
             if isinstance(q, Split) and node.op != "output":
                 size = _split_size(node, p, q)
-                if size is not None and size % (k * q.blocks):
+                if sizes.symbolic(size):
+                    unit = sizes.units(size)
+                    batches.add(unit[1] if unit and q.blocks == 1 else None)
+                elif size is not None:
+                    batches.add("static")
+                if len(batches) > 1 or None in batches:
+                    return Reason(
+                        ReasonKind.SYMBOLIC_SHAPES,
+                        node.name,
+                        f"dim {q.dim} of size {size}: nanobatches cut symbolic split dims only "
+                        "as whole multiples of one batch expression, unblocked, and then no "
+                        f"split dim of static size (split dims: {_cuts(batches)})",
+                    )
+                if size is not None and not sizes.symbolic(size) and size % (k * q.blocks):
                     blocks = f" x {q.blocks} blocks" if q.blocks > 1 else ""
                     return Reason(
                         ReasonKind.NOT_DIVISIBLE,
@@ -176,8 +170,12 @@ def feasibility(
     return None
 
 
-def _split_size(node: torch.fx.Node, p: object, q: Split) -> int | None:
+def _split_size(node: torch.fx.Node, p: object, q: Split) -> sizes.Size | None:
     val = node.meta.get("val")
     if isinstance(p, tuple):
         val = val[p.index(q)] if isinstance(val, (list, tuple)) else None
-    return int(val.shape[q.dim]) if isinstance(val, torch.Tensor) else None
+    return sizes.size(val.shape[q.dim]) if isinstance(val, torch.Tensor) else None
+
+
+def _cuts(batches: set[object]) -> str:
+    return ", ".join(sorted("unsupported" if b is None else str(b) for b in batches))

@@ -25,6 +25,7 @@ from kareus.passes.placement import (
     RowIds,
     Split,
 )
+from kareus.passes.sizes import shape
 
 
 @dataclass(frozen=True)
@@ -47,8 +48,8 @@ def forward_inputs(
     ]
     if not activations:
         return {}
-    batch = _tensor(activations[0]).shape[0]
-    return {n: Split(0) if _tensor(n).shape[0] == batch else REPLICATE for n in activations}
+    batch = shape(_tensor(activations[0]))[0]
+    return {n: Split(0) if shape(_tensor(n))[0] == batch else REPLICATE for n in activations}
 
 
 def record_forward(graph: torch.fx.Graph, result: PlacementResult) -> ForwardInterface:

@@ -27,6 +27,7 @@ import torch
 import torch.fx
 
 from kareus.passes import placement as rules
+from kareus.passes import sizes
 from kareus.passes.placement import NodePlacement, Rule, Split
 from kareus.passes.schema import position
 
@@ -72,16 +73,23 @@ class OpFacts:
 # -- resizing the arguments that spell out a shape ---------------------------------------
 
 
-def _shape(node: torch.fx.Node) -> list[int]:
-    return [int(d) for d in node.meta["val"].shape]
+def _shape(node: torch.fx.Node) -> tuple[sizes.Size, ...]:
+    return sizes.shape(node.meta["val"])  # int() of a symbolic size would guard on it
 
 
 def _resize_shape(node: torch.fx.Node, args: tuple, p: NodePlacement, k: int) -> tuple:
-    """view / reshape / expand: the target shape's split dim holds one nanobatch."""
+    """view / reshape / expand: the target shape's split dim holds one nanobatch.
+
+    Static dims are spelt out; a symbolic split dim is left to the op (-1: inferred, or
+    kept by an expand), as its size differs by nanobatch; other symbolic dims keep the
+    graph's own nodes (``rules.view`` refused one it spells -1 beside a symbolic split)."""
     if not isinstance(p, Split):
         return args
-    shape = _shape(node)
-    shape[p.dim] //= k
+    shape = [
+        (-1 if sizes.symbolic(size) else size // k) if d == p.dim
+        else given if sizes.symbolic(size) else size
+        for d, (size, given) in enumerate(zip(sizes.shape(node.meta["val"]), args[1], strict=True))
+    ]
     return (args[0], shape, *args[2:])  # the shape is the second argument of all four
 
 
@@ -98,6 +106,9 @@ def _resize_split(node: torch.fx.Node, args: tuple, p: NodePlacement, k: int) ->
     return (args[0], new, *args[2:])
 
 
+_WHOLE_DIM = 2**63 - 1  # an end past any dim: aten.slice clamps it
+
+
 def _resize_slice(node: torch.fx.Node, args: tuple, p: NodePlacement, k: int) -> tuple:
     """slice / slice_scatter along the split dim that the rule accepted (the whole dim, or
     whole blocks of a blocked one): one nanobatch's bounds, each block's chunk 1/k of it."""
@@ -108,6 +119,8 @@ def _resize_slice(node: torch.fx.Node, args: tuple, p: NodePlacement, k: int) ->
     size = _shape(node.args[0])
     if dim % len(size) != p.dim:
         return args
+    if sizes.symbolic(size[p.dim]):  # the rule took only the whole dim: the whole piece
+        return (*args[: index + 1], 0, _WHOLE_DIM, *args[index + 3 :])
     given = (*args[index + 1 : index + 3], None, None)[:2]
     start, end = rules.slice_bounds(*given, size[p.dim])
     return (*args[: index + 1], start // k, end // k, *args[index + 3 :])
@@ -156,6 +169,9 @@ _ENTRIES: dict[object, OpFacts] = {
     aten.contiguous: OpFacts(Cost.MEMORY, rules.same),
     aten.lift_fresh_copy: OpFacts(Cost.MEMORY, rules.same),
     c10d.wait_tensor: OpFacts(Cost.FREE, rules.same),
+    aten.sym_size: OpFacts(Cost.FREE, rules.size_of),
+    aten.sym_numel: OpFacts(Cost.FREE, rules.size_of),
+    aten.sym_stride: OpFacts(Cost.FREE, rules.size_of),
     # views and shape changes
     aten.view: _view(rules.view, _resize_shape),
     aten._unsafe_view: _view(rules.view, _resize_shape),

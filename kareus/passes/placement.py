@@ -41,8 +41,10 @@ from typing import Protocol
 import torch
 import torch.fx
 
+from kareus.passes import sizes
 from kareus.passes.reasons import Reason, ReasonKind
 from kareus.passes.schema import arguments
+from kareus.passes.sizes import Size, SymbolicSize, SymbolicSizeRead
 
 aten = torch.ops.aten
 
@@ -128,7 +130,7 @@ class RuleContext:
 
     def __init__(self, node: torch.fx.Node, k: int, placements: dict[torch.fx.Node, NodePlacement]):
         self.node, self.k, self._placements = node, k, placements
-        self.args = arguments(node)
+        self.args = {name: _sizes_in(a) for name, a in arguments(node).items()}
 
     def pl(self, arg: object) -> NodePlacement:
         if not isinstance(arg, torch.fx.Node):
@@ -149,6 +151,16 @@ class RuleContext:
     @property
     def out(self) -> object:
         return self.node.meta.get("val")
+
+
+def _sizes_in(arg: object) -> object:
+    """An argument with its symbolic scalars (nodes of a ``SymInt``) as ``SymbolicSize``:
+    a rule reads a view's target shape or a slice's bounds as sizes, never as nodes."""
+    if isinstance(arg, (list, tuple)):
+        return type(arg)(_sizes_in(a) for a in arg)
+    if isinstance(arg, torch.fx.Node) and isinstance(arg.meta.get("val"), torch.SymInt):
+        return sizes.size(arg.meta["val"])
+    return arg
 
 
 Rule = Callable[[RuleContext], "NodePlacement | Reason"]
@@ -200,13 +212,13 @@ def _place(
         whole = Whole(next(p for p in flat if isinstance(p, Whole)).reason)
         if rule is None or not any(isinstance(p, (RowIds, Aligned)) for p in flat):
             return whole
-        result = rule(RuleContext(node, k, placements))
+        result = _apply(rule, RuleContext(node, k, placements))
         resumed = not isinstance(result, Reason) and (
             per_nanobatch(result) or isinstance(result, (RowIds, Aligned))
         )
         return result if resumed else whole
     result = (
-        rule(RuleContext(node, k, placements))
+        _apply(rule, RuleContext(node, k, placements))
         if rule
         else Reason(ReasonKind.NO_RULE, None, f"no placement rule for {node.target}")
     )
@@ -224,6 +236,14 @@ def _place(
     reason = replace(result, node=node.name, detail=detail)
     barriers.append(reason)
     return Whole(reason)
+
+
+def _apply(rule: Rule, ctx: RuleContext) -> NodePlacement | Reason:
+    """``rule`` on ``ctx``; one that would guard on a symbolic size cannot split."""
+    try:
+        return rule(ctx)
+    except SymbolicSizeRead as e:
+        return Reason(ReasonKind.SYMBOLIC_SHAPES, None, str(e))
 
 
 def _own_barrier(node: torch.fx.Node, result: NodePlacement) -> Reason | None:
@@ -249,11 +269,10 @@ def _norm(dim: int, ndim: int) -> int:
     return dim + ndim if dim < 0 else dim
 
 
-def _shape(x: object) -> tuple[int, ...]:
-    return tuple(int(d) for d in x.shape) if isinstance(x, torch.Tensor) else ()
+_shape = sizes.shape  # ints, and symbolic sizes read without a guard
 
 
-def _shape_of(arg: object) -> tuple[int, ...]:
+def _shape_of(arg: object) -> tuple[Size, ...]:
     return _shape(arg.meta.get("val")) if isinstance(arg, torch.fx.Node) else ()
 
 
@@ -351,6 +370,12 @@ def same(ctx: RuleContext) -> NodePlacement | Reason:
     return _input(ctx)
 
 
+def size_of(ctx: RuleContext) -> NodePlacement:
+    """A size of a value (``sym_size``): the whole value's, as the graph reads it (a mean's
+    count), one number every nanobatch uses as is; a shape the rewrite resizes itself."""
+    return REPLICATE
+
+
 # -- views and shape changes ----------------------------------------------------------
 
 
@@ -358,7 +383,18 @@ def view(ctx: RuleContext) -> NodePlacement | Reason:
     p = _input(ctx)
     if not isinstance(p, Split):
         return _replicate_or_partial(p)
-    return _reshaped(p, _shape_of(ctx.arg("input")), _shape(ctx.out), ctx.k)
+    out = _shape(ctx.out)
+    result = _reshaped(p, _shape_of(ctx.arg("input")), out, ctx.k)
+    target = list(ctx.args.values())[1]
+    if isinstance(result, Split) and sizes.symbolic(out[result.dim]) and any(
+        given == -1 and sizes.symbolic(size)
+        for d, (size, given) in enumerate(zip(out, target)) if d != result.dim
+    ):
+        # The rewrite leaves the symbolic split dim to be inferred (-1): one -1 at most.
+        raise SymbolicSizeRead(
+            f"a reshape to {list(target)} infers a symbolic dim besides the split one"
+        )
+    return result
 
 
 def _reshaped(p: Split, src: Sequence[int], dst: Sequence[int], k: int) -> Split | Reason:
@@ -374,6 +410,8 @@ def _reshaped(p: Split, src: Sequence[int], dst: Sequence[int], k: int) -> Split
         a = src[i] if i < len(src) else 1
         b = dst[j] if j < len(dst) else 1
         while a != b:
+            if (i + 1 >= len(src) and a < b) or (j + 1 >= len(dst) and not a < b):
+                raise SymbolicSizeRead(f"a reshape of {src} to {dst}: no group's sizes match")
             if a < b:
                 i += 1
                 gi.append(i)
@@ -388,6 +426,8 @@ def _reshaped(p: Split, src: Sequence[int], dst: Sequence[int], k: int) -> Split
                     "reshape merges the split dim into a dim it is not the outer part of"
                 )
             lead = next((d for d in gj if d < len(dst) and dst[d] != 1), None)
+            if lead is not None and sizes.symbolic(src[p.dim]):
+                return _symbolic_reshape(p, src[p.dim], dst[lead], lead)
             if (
                 lead is None
                 or dst[lead] % (k * p.blocks)
@@ -399,6 +439,25 @@ def _reshaped(p: Split, src: Sequence[int], dst: Sequence[int], k: int) -> Split
             return Split(lead, p.blocks)
         i, j = gi[-1] + 1, gj[-1] + 1
     raise AssertionError(f"split dim {p.dim} outside a reshape of {src} to {dst}")
+
+
+def _symbolic_reshape(p: Split, src: SymbolicSize, lead: Size, dim: int) -> Split | Reason:
+    """A symbolic split dim is cut in units of its batch expression (``sizes.units``):
+    the reshape may merge it with inner dims or split inner ones off, not cut those units."""
+    unit = sizes.units(src)
+    if (
+        p.blocks > 1
+        or unit is None
+        or not sizes.symbolic(lead)
+        or sizes.units(lead) is None
+        or sizes.units(lead)[1] != unit[1]
+    ):
+        return Reason(
+            ReasonKind.SYMBOLIC_SHAPES, None,
+            f"reshape of a symbolic split dim ({src} rows to {lead}) other than by whole "
+            "batch units",
+        )
+    return Split(dim)
 
 
 def _replicate_or_partial(p: NodePlacement) -> NodePlacement | Reason:

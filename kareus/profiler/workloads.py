@@ -21,6 +21,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from kareus.codegen.nanobatch import isolated_partition
 from kareus.devices.base import Workload
 from kareus.errors import KareusError
+from kareus.passes.collectives import size_hint
 from kareus.passes.ops import OP_TABLE, OpTable
 from kareus.passes.partition import Partition
 from kareus.passes.placement import NodePlacement, PlacementResult, Split
@@ -102,12 +103,14 @@ def _random_like(val: torch.Tensor, p: NodePlacement, sliced: bool, k: int) -> t
     the rewrite takes one (``sliced``: a graph input), else as an op computes one
     nanobatch's value, dense in ``val``'s order of dims (torch 2.11's collectives take
     contiguous inputs only)."""
-    shape = list(val.shape)
+    shape = [size_hint(d) for d in val.shape]  # a symbolic size's example (no guard)
+    whole = shape[p.dim] if isinstance(p, Split) else None
     split = isinstance(p, Split)
     if split and not sliced:
         shape[p.dim] //= k
-    stored = [1 if val.stride(d) == 0 else size for d, size in enumerate(shape)]
-    new = torch.empty_strided(stored, _dense_strides(val, stored), dtype=val.dtype,
+    strides = [size_hint(s) for s in val.stride()]
+    stored = [1 if strides[d] == 0 else size for d, size in enumerate(shape)]
+    new = torch.empty_strided(stored, _dense_strides(strides, stored), dtype=val.dtype,
                               device=val.device)
     if val.dtype.is_floating_point:
         new.normal_()
@@ -115,18 +118,18 @@ def _random_like(val: torch.Tensor, p: NodePlacement, sliced: bool, k: int) -> t
         new.zero_()
     new = new.expand(shape)  # broadcast dims (stride 0) again
     if split and sliced:
-        return new.narrow(p.dim, 0, val.shape[p.dim] // k)
+        return new.narrow(p.dim, 0, whole // k)
     return new
 
 
-def _dense_strides(val: torch.Tensor, shape: list[int]) -> list[int]:
-    """Strides of a dense tensor of ``shape`` whose dims lie in memory in ``val``'s order;
-    dims that ``val`` broadcasts (stride 0: grouped-query attention's keys over heads)
-    stay broadcast."""
+def _dense_strides(given: list[int], shape: list[int]) -> list[int]:
+    """Strides of a dense tensor of ``shape`` whose dims lie in memory in the order of
+    strides ``given``; dims broadcast there (stride 0: grouped-query attention's keys over
+    heads) stay broadcast."""
     strides = [0] * len(shape)
     step = 1
-    for d in sorted(range(len(shape)), key=lambda d: (val.stride(d), -d)):  # inner first
-        if val.stride(d) != 0:
+    for d in sorted(range(len(shape)), key=lambda d: (given[d], -d)):  # inner first
+        if given[d] != 0:
             strides[d] = step
             step *= shape[d]
     return strides

@@ -14,6 +14,7 @@ from memory import peak_memory_bytes
 from one_shot import nanobatch_graph
 from torch._inductor.utils import run_and_get_code
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.testing import FileCheck
 
 from kareus import KareusBackend, ReasonKind
 from kareus.codegen.apply import apply
@@ -240,18 +241,97 @@ def test_joined_broadcast_values_keep_a_unit_stride_last_dim():
     torch.testing.assert_close(rewritten(*inputs), gm(*inputs))
 
 
-def test_dynamic_batch_sizes_compile_once_and_say_why_they_are_not_split(fake_pg):
-    """Placement must not specialise symbolic sizes (one graph for every batch size, as
-    with Inductor), and the report says why the graph runs unrewritten."""
+@pytest.mark.parametrize("k", [2, 4])
+def test_dynamic_batch_sizes_compile_once_split_unevenly_and_exactly(fake_pg_numbers, k):
+    """A symbolic batch is cut in the graph at ``j * B // k`` (uneven where k does not
+    divide it): one graph for every batch size, no guard on it (eager lowering), outputs
+    and gradients those of the model, every collective split."""
     torch.manual_seed(0)
     model = AllReduceMLP()
-    backend = KareusBackend({"nanobatches": 2, "lowering": "eager", "profile": "off"})
+    backend = KareusBackend({"nanobatches": k, "lowering": "eager", "profile": "off"})
     compiled = torch.compile(model, backend=backend, dynamic=True)
-    for batch in (2, 3, 5, 8, 12):
+    torch._dynamo.utils.counters.clear()
+    for batch in (2, 3, 5, 8, 13):
+        x = torch.randn(batch, 8)
+        out = compiled(x)
+        out.square().sum().backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        ref = model(x)
+        ref.square().sum().backward()
+        torch.testing.assert_close(out, ref)
+        for g, p in zip(grads, model.parameters(), strict=True):
+            torch.testing.assert_close(g, p.grad)
+        model.zero_grad()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # no recompile
+    forward, backward = backend.reports()
+    for report in (forward, backward):
+        assert report.nanobatches == k and report.fallback is None
+        assert report.coverage.split == report.coverage.total == 1
+
+
+@pytest.mark.parametrize("lowering", ["eager", "inductor"])
+def test_a_ragged_last_batch_keeps_the_split(fake_pg_numbers, lowering):
+    """A smaller last batch (``drop_last=False``) makes Dynamo compile a dynamic graph that
+    it then runs for every batch, full ones too: it was left unsplit, so every step after
+    the first ragged batch lost the overlap."""
+    torch.manual_seed(0)
+    model = AllReduceMLP()
+    backend = KareusBackend({"nanobatches": 2, "lowering": lowering, "profile": "off"})
+    compiled = torch.compile(model, backend=backend)
+    for batch in (8, 8, 5, 8):
         x = torch.randn(batch, 8)
         torch.testing.assert_close(compiled(x), model(x))
-    (forward,) = [r for r in backend.reports() if r.kind == "forward"]
-    assert forward.nanobatches == 1 and forward.fallback.kind is ReasonKind.SYMBOLIC_SHAPES
+        compiled(x).sum().backward()
+    reports = backend.reports()  # the static graph, then the dynamic one: both split
+    assert sorted(r.kind for r in reports) == ["backward", "backward", "forward", "forward"]
+    assert [r.nanobatches for r in reports] == [2, 2, 2, 2]
+
+
+def _mlp(x, w1, w2):
+    return funcol.all_reduce(torch.relu(x @ w1), "sum", dist.group.WORLD) @ w2
+
+
+def test_a_symbolic_batch_is_cut_in_the_graph(fake_pg_numbers):
+    """One rewrite of a symbolic graph serves every batch size: the cut is computed from
+    the input's size in the graph (the sym_size, then j * B // k), not read at compile time."""
+    from kareus.passes.analyse import analyse
+
+    w1, w2 = torch.randn(8, 16), torch.randn(16, 8)
+    gm = make_fx(_mlp, tracing_mode="symbolic")(torch.randn(4, 8), w1, w2)
+    inputs = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
+    analysis = analyse(gm, inputs, "inference", static_input_idxs=(1, 2))
+    assert analysis.space.nanobatches == (1, 2, 4)
+    rewritten = nanobatch_graph(
+        gm, analysis.partitioning, analysis.collectives, analysis.placements[4],
+        Schedule(4, (0,), (None,)), inputs,
+    )
+    FileCheck().check("sym_size").check("// 4").check_count(
+        "_c10d_functional.all_reduce.default(", 4, exactly=True
+    ).run(rewritten.code)
+    for batch in (2, 3, 4, 7, 11):  # uneven pieces, and empty ones below 4 rows
+        x = torch.randn(batch, 8)
+        torch.testing.assert_close(rewritten(x, w1, w2), gm(x, w1, w2))
+
+
+def test_symbolic_split_dims_are_cut_alike_or_not_at_all(fake_pg):
+    """Values split along two batch symbols cannot be cut alike: no count applies, and the
+    reason says so. (From the inputs, only the first batch's symbol is split.)"""
+    from kareus.passes.analyse import analyse, feasibility
+
+    def fn(x, y, w):
+        return _mlp(x, w, w.t()).sum(0) + _mlp(y, w, w.t()).sum(0)
+
+    example = torch.randn(4, 8), torch.randn(6, 8), torch.randn(8, 8)
+    gm = make_fx(fn, tracing_mode="symbolic")(*example)
+    x, y, w = gm.graph.find_nodes(op="placeholder")
+    analysis = analyse(gm, [n.meta["val"] for n in (x, y, w)], "inference", static_input_idxs=(2,))
+    assert analysis.space.nanobatches == (1, 2, 4)
+    assert analysis.placements[2].placements[x] == Split(0)
+    assert analysis.placements[2].placements[y] != Split(0)
+    both = propagate(gm.graph, {x: Split(0), y: Split(0)}, 2, OP_TABLE)
+    why = feasibility(gm.graph, both, 2, analysis.collectives)
+    assert why.kind is ReasonKind.SYMBOLIC_SHAPES and "one batch expression" in why.detail
 
 
 def _most_all_gathers_in_flight(graph):

@@ -1,12 +1,14 @@
 """Placement rules on small traced graphs."""
 
 import pytest
+import sympy
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from kareus.passes.ops import OP_TABLE
 from kareus.passes.placement import PARTIAL, REPLICATE, Split, Whole, _reshaped, propagate
 from kareus.passes.reasons import Reason, ReasonKind
+from kareus.passes.sizes import SymbolicSize, SymbolicSizeRead
 
 aten = torch.ops.aten
 
@@ -25,6 +27,32 @@ aten = torch.ops.aten
 def test_reshape_follows_the_split_dim(src, dst, split, k, expected):
     result = _reshaped(split, src, dst, k)
     assert (result.kind if isinstance(result, Reason) else result) == expected
+
+
+_B = SymbolicSize(sympy.Symbol("s0", positive=True, integer=True), 6)  # a dynamic batch
+
+
+@pytest.mark.parametrize(
+    "src, dst, expected",
+    [
+        ((_B, 16, 64), (16 * _B, 64), Split(0)),  # merge batch and sequence: units of 16 rows
+        ((16 * _B, 64), (_B, 16, 64), Split(0)),  # and split them back
+        ((16 * _B, 64), (4 * _B, 4, 64), Split(0)),
+        ((16 * _B,), (16, _B), ReasonKind.SYMBOLIC_SHAPES),  # would cut inside batch units
+        ((_B, 16), (2 * _B, 8), Split(0)),  # a sample as 2 rows of 8
+        ((_B, 16), (16, _B), ReasonKind.SYMBOLIC_SHAPES),
+    ],
+)
+def test_a_reshape_cuts_a_symbolic_split_dim_only_in_batch_units(src, dst, expected):
+    """Without a guard: a symbolic size is equal to its expression only, never a number."""
+    result = _reshaped(Split(0), src, dst, 2)
+    assert (result.kind if isinstance(result, Reason) else result) == expected
+
+
+def test_a_rule_computing_with_a_symbolic_size_ends_the_split_with_its_reason():
+    with pytest.raises(SymbolicSizeRead, match="s0"):
+        _B % 2
+    assert _B == SymbolicSize(_B.expr, 7) and _B != 6 and 2 * _B == _B * 2
 
 
 def _placements(fn, *args, split_inputs=(0,), k=2):
