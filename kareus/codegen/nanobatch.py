@@ -26,6 +26,7 @@ It is emitted from the same per-node plan, so it slices, resizes and issues as t
 from __future__ import annotations
 
 import contextlib
+import itertools
 import operator
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from kareus.errors import KareusError
 from kareus.passes.collectives import Collective, size_hint
-from kareus.passes.ops import OP_TABLE, OpTable, Resize
+from kareus.passes.ops import OP_TABLE, OpTable, Resize, Sizer
 from kareus.passes.partition import GraphPartitioning, Partition, canonical_order
 from kareus.passes.placement import (
     Aligned,
@@ -377,7 +378,9 @@ class _Emitter:
                 for j, x in enumerate(pieces)
             ]
         dim = order.index(p.dim)
-        if p.blocks > 1:
+        if p.blocks > 1 and symbolic(val.shape[p.dim]):
+            pieces = self._symbolic_blocks(node, p, pieces, dim)
+        elif p.blocks > 1:
             chunk = val.shape[p.dim] // (p.blocks * self.k)
 
             def block(j: int, b: int) -> torch.fx.Node:
@@ -391,6 +394,25 @@ class _Emitter:
             back = [order.index(d) for d in range(val.ndim)]
             joined = call(aten.permute.default, (joined, back), ("unpermute", node))
         return joined
+
+    def _symbolic_blocks(
+        self, node: torch.fx.Node, p: Split, pieces: list[torch.fx.Node], dim: int
+    ) -> list[torch.fx.Node]:
+        """The pieces' blocks in the order of the whole value (block by block, nanobatch by
+        nanobatch in each), each piece's blocks its rows over ``p.blocks``, computed in the
+        graph: pieces of a symbolic batch differ in size."""
+        call, blocks = self._call, []
+        for j, piece in enumerate(pieces):
+            rows = call(aten.sym_size.int, (piece, dim), ("rows", node, j))
+            chunk = call(operator.floordiv, (rows, p.blocks), ("chunk", node, j))
+            bounds = [0, *(
+                call(operator.mul, (chunk, b), ("bound", node, j, b)) for b in range(1, p.blocks)
+            ), rows]
+            blocks.append([
+                call(aten.slice.Tensor, (piece, dim, start, end), ("block", node, j, b))
+                for b, (start, end) in enumerate(itertools.pairwise(bounds))
+            ])
+        return [blocks[j][b] for b in range(p.blocks) for j in range(self.k)]
 
     # -- emission ---------------------------------------------------------------------
 
@@ -476,7 +498,7 @@ class _Emitter:
         plan = self.nodes[node]
         args, kwargs = _copy_args(
             node, plan, self.k, lambda a: self.piece(a, j), lambda a, dim: self._slice(a, dim, j),
-            group_name,
+            self._sizer(("piece", node, j)), group_name,
         )
         new = _create(self.graph, node.op, node.target, args, kwargs)
         self._record(new, ("piece", node, j))
@@ -599,7 +621,9 @@ class _PartitionEmitter:
         return IsolatedPartition(gm, (*inputs, source))
 
     def _copy(self, node: torch.fx.Node) -> None:
-        args, kwargs = _copy_args(node, self.nodes[node], self.k, self.env.__getitem__, self._slice)
+        args, kwargs = _copy_args(
+            node, self.nodes[node], self.k, self.env.__getitem__, self._slice, self._sizer
+        )
         self.env[node] = _create(self.graph, node.op, node.target, args, kwargs)
 
     def _issue(self, other: torch.fx.Node, group_name: str | None) -> torch.fx.Node:
@@ -612,7 +636,7 @@ class _PartitionEmitter:
             return _create(self.graph, "call_function", aten.slice.Tensor, args, None)
 
         args, kwargs = _copy_args(
-            node, self.nodes[node], self.k, lambda a: other, slice_other, group_name
+            node, self.nodes[node], self.k, lambda a: other, slice_other, self._sizer, group_name
         )
         return _create(self.graph, "call_function", node.target, args, kwargs)
 
@@ -656,25 +680,23 @@ def _copy_args(
     k: int,
     value: Callable[[torch.fx.Node], torch.fx.Node],
     slice_of: Callable[[torch.fx.Node, int], torch.fx.Node],
+    emit: Sizer,
     group_name: str | None = None,
 ) -> tuple[tuple, dict[str, object]]:
     """``node``'s arguments in one nanobatch, in every mode of the emitter: each operand
     its ``value`` there, or ``slice_of`` it along a dim where the op pairs a whole operand
     element by element with its split ones (``_sliced_operand_dim``); the shapes they spell
-    out resized to one nanobatch; a collective issued on ``group_name`` if given."""
+    out resized to one nanobatch (sizes of a symbolic batch computed with ``emit``); a
+    collective issued on ``group_name`` if given."""
     args, kwargs = torch.fx.node.map_arg(
         (node.args, node.kwargs),
         lambda a: slice_of(a, plan.sliced[a]) if a in plan.sliced else value(a),
     )
     if plan.split and plan.resize is not None:
-        args = plan.resize(node, args, plan.placement, k)
+        args = plan.resize(node, args, plan.placement, k, emit)
     if group_name is not None:
         args = _with_group(node, args, group_name)
     return args, kwargs
-
-
-Sizer = Callable[[Callable[..., object], tuple, str], torch.fx.Node]
-"""Emits one step of size arithmetic: (target, args, step name) -> its node."""
 
 
 def _slice_args(

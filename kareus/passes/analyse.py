@@ -141,7 +141,8 @@ def feasibility(
                 size = _split_size(node, p, q)
                 if sizes.symbolic(size):
                     unit = sizes.units(size)
-                    batches.add(unit[1] if unit and q.blocks == 1 else None)
+                    # a blocked dim: blocks of whole batch units, each cut alike
+                    batches.add(unit[1] if unit and unit[0] % q.blocks == 0 else None)
                 elif size is not None:
                     batches.add("static")
                 if len(batches) > 1 or None in batches:
@@ -149,7 +150,7 @@ def feasibility(
                         ReasonKind.SYMBOLIC_SHAPES,
                         node.name,
                         f"dim {q.dim} of size {size}: nanobatches cut symbolic split dims only "
-                        "as whole multiples of one batch expression, unblocked, and then no "
+                        "as whole multiples of one batch expression (per block), and then no "
                         f"split dim of static size (split dims: {_cuts(batches)})",
                     )
                 if size is not None and not sizes.symbolic(size) and size % (k * q.blocks):

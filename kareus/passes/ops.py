@@ -49,7 +49,10 @@ class Cost(Enum):
         return self in (Cost.MATMUL, Cost.ATTENTION, Cost.CONVOLUTION)
 
 
-Resize = Callable[[torch.fx.Node, tuple, NodePlacement, int], tuple]
+Sizer = Callable[[Callable[..., object], tuple, str], torch.fx.Node]
+"""Emits one step of size arithmetic into the rewritten graph: (target, args, step name)."""
+
+Resize = Callable[[torch.fx.Node, tuple, NodePlacement, int, Sizer], tuple]
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,9 @@ def _shape(node: torch.fx.Node) -> tuple[sizes.Size, ...]:
     return sizes.shape(node.meta["val"])  # int() of a symbolic size would guard on it
 
 
-def _resize_shape(node: torch.fx.Node, args: tuple, p: NodePlacement, k: int) -> tuple:
+def _resize_shape(
+    node: torch.fx.Node, args: tuple, p: NodePlacement, k: int, emit: Sizer
+) -> tuple:
     """view / reshape / expand: the target shape's split dim holds one nanobatch.
 
     Static dims are spelt out; a symbolic split dim is left to the op (-1: inferred, or
@@ -93,23 +98,34 @@ def _resize_shape(node: torch.fx.Node, args: tuple, p: NodePlacement, k: int) ->
     return (args[0], shape, *args[2:])  # the shape is the second argument of all four
 
 
-def _resize_split(node: torch.fx.Node, args: tuple, p: NodePlacement, k: int) -> tuple:
-    """split / split_with_sizes along the split dim (of a blocked value): sizes per nanobatch."""
+def _resize_split(
+    node: torch.fx.Node, args: tuple, p: NodePlacement, k: int, emit: Sizer
+) -> tuple:
+    """split / split_with_sizes along the split dim (of a blocked value): sizes per nanobatch,
+    for a symbolic dim the piece's rows over the parts (``rules.split``: equal parts)."""
     dims = {q.dim for q in p if isinstance(q, Split)} if isinstance(p, tuple) else set()
     source = node.args[0]
     dim_index = position(node, "dim")
     dim = node.kwargs.get("dim", node.args[dim_index] if len(node.args) > dim_index else 0)
-    if dims != {dim % len(_shape(source))}:
+    shape = _shape(source)
+    if dims != {dim % len(shape)}:
         return args
-    sizes = args[1]
-    new = [s // k for s in sizes] if isinstance(sizes, (list, tuple)) else sizes // k
+    given = args[1]
+    if sizes.symbolic(shape[dim % len(shape)]):
+        rows = emit(aten.sym_size.int, (args[0], dim), "rows")
+        part = emit(operator.floordiv, (rows, len(node.meta["val"])), "part")
+        new = [part] * len(given) if isinstance(given, (list, tuple)) else part
+    else:
+        new = [s // k for s in given] if isinstance(given, (list, tuple)) else given // k
     return (args[0], new, *args[2:])
 
 
 _WHOLE_DIM = 2**63 - 1  # an end past any dim: aten.slice clamps it
 
 
-def _resize_slice(node: torch.fx.Node, args: tuple, p: NodePlacement, k: int) -> tuple:
+def _resize_slice(
+    node: torch.fx.Node, args: tuple, p: NodePlacement, k: int, emit: Sizer
+) -> tuple:
     """slice / slice_scatter along the split dim that the rule accepted (the whole dim, or
     whole blocks of a blocked one): one nanobatch's bounds, each block's chunk 1/k of it."""
     if not isinstance(p, Split):
@@ -126,7 +142,9 @@ def _resize_slice(node: torch.fx.Node, args: tuple, p: NodePlacement, k: int) ->
     return (*args[: index + 1], start // k, end // k, *args[index + 3 :])
 
 
-def _resize_all_to_all(node: torch.fx.Node, args: tuple, p: NodePlacement, k: int) -> tuple:
+def _resize_all_to_all(
+    node: torch.fx.Node, args: tuple, p: NodePlacement, k: int, emit: Sizer
+) -> tuple:
     """An all-to-all of split rows (even blocks, or all rows to one rank:
     ``rules.all_to_all``): each rank's block holds one nanobatch's share."""
     if not isinstance(p, Split) or p.dim != 0:

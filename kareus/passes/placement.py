@@ -446,7 +446,7 @@ def _symbolic_reshape(p: Split, src: SymbolicSize, lead: Size, dim: int) -> Spli
     the reshape may merge it with inner dims or split inner ones off, not cut those units."""
     unit = sizes.units(src)
     if (
-        p.blocks > 1
+        (p.blocks > 1 and lead != src)
         or unit is None
         or not sizes.symbolic(lead)
         or sizes.units(lead) is None
@@ -643,7 +643,7 @@ def split(ctx: RuleContext) -> NodePlacement | Reason:
         return (p,) * n
     # Splitting a blocked dim into groups of whole blocks (an all-gather followed by
     # DTensor's re-layout, or by one chunk per rank) leaves each block chunked the same way.
-    if p.blocks % n == 0 and all(_shape(o)[dim] == src[dim] // n for o in ctx.out):
+    if p.blocks % n == 0 and all(n * _shape(o)[dim] == src[dim] for o in ctx.out):
         return (Split(dim, p.blocks // n),) * n
     return _along_split_dim("split along the split dim")
 

@@ -288,6 +288,32 @@ def test_a_ragged_last_batch_keeps_the_split(fake_pg_numbers, lowering):
     assert [r.nanobatches for r in reports] == [2, 2, 2, 2]
 
 
+def test_a_dynamic_batch_of_a_sequence_parallel_llama_splits_like_a_static_one(fake_pg_numbers):
+    """Blocked values of a symbolic batch (the sequence-parallel all-gathers, DTensor's
+    split of them back into per-rank blocks) are cut block by block, sizes computed in
+    the graph: every collective of the dynamic graphs stays split, and the model trains
+    as eagerly."""
+    model = tp_llama(2, sequence_parallel=True)
+    backend = KareusBackend({"nanobatches": 2, "lowering": "eager", "profile": "off"})
+    compiled = torch.compile(model, backend=backend)
+    for batch in (4, 6, 10):  # static, then dynamic (6 and 10: one graph)
+        tokens = torch.randint(0, 256, (batch, 16))
+        grads = []
+        for run in (compiled, model):
+            out = run(tokens)
+            out.float().square().mean().backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+            model.zero_grad()
+        torch.testing.assert_close(compiled(tokens), model(tokens))
+        for g, ref in zip(*grads, strict=True):
+            torch.testing.assert_close(g, ref)
+    reports = backend.reports()
+    assert len(reports) == 4  # a static forward and backward, a dynamic forward and backward
+    for report in reports:
+        assert report.nanobatches == 2
+        assert report.coverage.split == report.coverage.total > 0
+
+
 def _mlp(x, w1, w2):
     return funcol.all_reduce(torch.relu(x @ w1), "sum", dist.group.WORLD) @ w2
 

@@ -181,12 +181,22 @@ def _llama_config(*, tied: bool = False):
     )
 
 
-def hf_llama_auto(setup: ZooSetup, *, tied: bool = False, padded: bool = False) -> ZooModel:
+def _ragged_batch(step: int) -> Batch:
+    """The last batch of an epoch that does not divide it (``drop_last=False``): from the
+    second step on 3 rows, not 4, so Dynamo compiles a graph with a symbolic batch size,
+    which a nanobatch count of 2 cuts unevenly."""
+    return tuple(t[:3] if step else t for t in make_batch(step, shifted=False))
+
+
+def hf_llama_auto(
+    setup: ZooSetup, *, tied: bool = False, padded: bool = False, ragged: bool = False
+) -> ZooModel:
     """``LlamaForCausalLM.from_pretrained(..., DistributedConfig(tp_plan="auto"))``.
 
     ``padded``: batches with right padding and an attention mask (HF then materialises a
     per-sample 4-D mask and SDPA takes the repeat_kv path for the KV heads). At kareus
-    347e274 this variant trained wrong with eager lowering and k = 2 or 4.
+    347e274 this variant trained wrong with eager lowering and k = 2 or 4. ``ragged``:
+    ``_ragged_batch``.
     """
     from transformers import LlamaForCausalLM
     from transformers.distributed import DistributedConfig
@@ -199,7 +209,10 @@ def hf_llama_auto(setup: ZooSetup, *, tied: bool = False, padded: bool = False) 
         LlamaForCausalLM, path,
         DistributedConfig(tp_plan="auto", tp_size=setup.world_size),
     )
-    batch = _padded_batch if padded else (lambda step: make_batch(step, shifted=False))
+    batch = (
+        _padded_batch if padded else _ragged_batch if ragged
+        else (lambda step: make_batch(step, shifted=False))
+    )
     return ZooModel(model, batch, _hf_loss)
 
 
@@ -340,6 +353,7 @@ BUILDERS: dict[str, Callable[[ZooSetup], ZooModel]] = {
     "hf-llama-auto": hf_llama_auto,
     "hf-llama-auto-tied": lambda setup: hf_llama_auto(setup, tied=True),
     "hf-llama-auto-padded": lambda setup: hf_llama_auto(setup, padded=True),
+    "hf-llama-auto-ragged": lambda setup: hf_llama_auto(setup, ragged=True),
     "hf-llama-colrow": hf_llama_colrow,
     "hf-qwen3-auto": hf_qwen3_auto,
     "hf-mixtral-ep": hf_mixtral_ep,
