@@ -42,13 +42,12 @@ def test_training_matches_eager(lowering, sequence_parallel):
 
 @pytest.mark.parametrize(
     "sequence_parallel, k, lowering, seed",
-    [
-        (False, 2, "inductor", 1),
+    [  # TP at k = 2 with Inductor: the zoo's Llamas; k = 4 with Inductor: its torchtitan's
         (False, 4, "eager", 2),
-        (True, 2, "eager", 3),
-        (True, 4, "inductor", 4),
+        (True, 2, "inductor", 3),
+        (True, 4, "eager", 4),
     ],
-    ids=["tp-k2-inductor", "tp-k4-eager", "sp-k2-eager", "sp-k4-inductor"],
+    ids=["tp-k4-eager", "sp-k2-inductor", "sp-k4-eager"],
 )
 def test_nanobatched_training_matches_unrewritten(sequence_parallel, k, lowering, seed):
     """Random launch slots, forward and backward: outputs and all parameter gradients."""

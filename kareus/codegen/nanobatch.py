@@ -40,7 +40,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from kareus.errors import KareusError
 from kareus.passes.collectives import Collective, size_hint
-from kareus.passes.ops import OP_TABLE, OpTable, Resize, Sizer
+from kareus.passes.ops import OP_TABLE, OpTable, Resize, Retarget, Sizer
 from kareus.passes.partition import GraphPartitioning, Partition, canonical_order
 from kareus.passes.placement import (
     Aligned,
@@ -496,11 +496,11 @@ class _Emitter:
 
     def _copy(self, node: torch.fx.Node, j: int, group_name: str | None = None) -> torch.fx.Node:
         plan = self.nodes[node]
-        args, kwargs = _copy_args(
+        target, args, kwargs = _copy_args(
             node, plan, self.k, lambda a: self.piece(a, j), lambda a, dim: self._slice(a, dim, j),
             self._sizer(("piece", node, j)), group_name,
         )
-        new = _create(self.graph, node.op, node.target, args, kwargs)
+        new = _create(self.graph, node.op, target, args, kwargs)
         self._record(new, ("piece", node, j))
         new.meta.update(plan.meta)
         self.pieces.setdefault(node, [None] * self.k)[j] = new
@@ -621,10 +621,10 @@ class _PartitionEmitter:
         return IsolatedPartition(gm, (*inputs, source))
 
     def _copy(self, node: torch.fx.Node) -> None:
-        args, kwargs = _copy_args(
+        target, args, kwargs = _copy_args(
             node, self.nodes[node], self.k, self.env.__getitem__, self._slice, self._sizer
         )
-        self.env[node] = _create(self.graph, node.op, node.target, args, kwargs)
+        self.env[node] = _create(self.graph, node.op, target, args, kwargs)
 
     def _issue(self, other: torch.fx.Node, group_name: str | None) -> torch.fx.Node:
         """The other nanobatch's collective, on its input ``other`` (whole where the
@@ -635,10 +635,10 @@ class _PartitionEmitter:
             args = _slice_args(other, arg, dim, self.k, self._sizer)[1]
             return _create(self.graph, "call_function", aten.slice.Tensor, args, None)
 
-        args, kwargs = _copy_args(
+        target, args, kwargs = _copy_args(
             node, self.nodes[node], self.k, lambda a: other, slice_other, self._sizer, group_name
         )
-        return _create(self.graph, "call_function", node.target, args, kwargs)
+        return _create(self.graph, "call_function", target, args, kwargs)
 
     def _sizer(self, target: Callable[..., object], args: tuple, step: str) -> torch.fx.Node:
         return _create(self.graph, "call_function", target, args, None)
@@ -682,8 +682,8 @@ def _copy_args(
     slice_of: Callable[[torch.fx.Node, int], torch.fx.Node],
     emit: Sizer,
     group_name: str | None = None,
-) -> tuple[tuple, dict[str, object]]:
-    """``node``'s arguments in one nanobatch, in every mode of the emitter: each operand
+) -> tuple[object, tuple, dict[str, object]]:
+    """``node``'s op and arguments in one nanobatch, in every mode of the emitter: each operand
     its ``value`` there, or ``slice_of`` it along a dim where the op pairs a whole operand
     element by element with its split ones (``_sliced_operand_dim``); the shapes they spell
     out resized to one nanobatch (sizes of a symbolic batch computed with ``emit``); a
@@ -692,11 +692,14 @@ def _copy_args(
         (node.args, node.kwargs),
         lambda a: slice_of(a, plan.sliced[a]) if a in plan.sliced else value(a),
     )
+    target = node.target
     if plan.split and plan.resize is not None:
         args = plan.resize(node, args, plan.placement, k, emit)
+        if isinstance(args, Retarget):
+            target, args = args
     if group_name is not None:
         args = _with_group(node, args, group_name)
-    return args, kwargs
+    return target, args, kwargs
 
 
 def _slice_args(

@@ -143,6 +143,15 @@ def feasibility(
                     unit = sizes.units(size)
                     # a blocked dim: blocks of whole batch units, each cut alike
                     batches.add(unit[1] if unit and unit[0] % q.blocks == 0 else None)
+                    if unit and size.hint // unit[0] < k:
+                        # An empty piece at the example size: Inductor cannot lower its
+                        # reshapes (torch 2.13), and the overlap would be k - 1 pieces.
+                        return Reason(
+                            ReasonKind.NOT_DIVISIBLE,
+                            node.name,
+                            f"dim {q.dim} of symbolic size {size} ({size.hint} at compile "
+                            f"time): fewer than {k} units of {unit[1]}, a nanobatch empty",
+                        )
                 elif size is not None:
                     batches.add("static")
                 if len(batches) > 1 or None in batches:

@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from types import MappingProxyType
+from typing import NamedTuple
 
 import torch
 import torch.fx
@@ -52,7 +53,14 @@ class Cost(Enum):
 Sizer = Callable[[Callable[..., object], tuple, str], torch.fx.Node]
 """Emits one step of size arithmetic into the rewritten graph: (target, args, step name)."""
 
-Resize = Callable[[torch.fx.Node, tuple, NodePlacement, int, Sizer], tuple]
+class Retarget(NamedTuple):
+    """What a resize returns where one nanobatch needs another op (``_resize_split``)."""
+
+    target: object
+    args: tuple
+
+
+Resize = Callable[[torch.fx.Node, tuple, NodePlacement, int, Sizer], "tuple | Retarget"]
 
 
 @dataclass(frozen=True)
@@ -100,9 +108,10 @@ def _resize_shape(
 
 def _resize_split(
     node: torch.fx.Node, args: tuple, p: NodePlacement, k: int, emit: Sizer
-) -> tuple:
+) -> tuple | Retarget:
     """split / split_with_sizes along the split dim (of a blocked value): sizes per nanobatch,
-    for a symbolic dim the piece's rows over the parts (``rules.split``: equal parts)."""
+    for a symbolic dim the piece's rows over the parts (``rules.split``: equal parts), as
+    ``split_with_sizes``: a split by size gives one part of an empty piece, not n."""
     dims = {q.dim for q in p if isinstance(q, Split)} if isinstance(p, tuple) else set()
     source = node.args[0]
     dim_index = position(node, "dim")
@@ -112,11 +121,11 @@ def _resize_split(
         return args
     given = args[1]
     if sizes.symbolic(shape[dim % len(shape)]):
+        parts = len(node.meta["val"])
         rows = emit(aten.sym_size.int, (args[0], dim), "rows")
-        part = emit(operator.floordiv, (rows, len(node.meta["val"])), "part")
-        new = [part] * len(given) if isinstance(given, (list, tuple)) else part
-    else:
-        new = [s // k for s in given] if isinstance(given, (list, tuple)) else given // k
+        part = emit(operator.floordiv, (rows, parts), "part")
+        return Retarget(aten.split_with_sizes.default, (args[0], [part] * parts, dim))
+    new = [s // k for s in given] if isinstance(given, (list, tuple)) else given // k
     return (args[0], new, *args[2:])
 
 

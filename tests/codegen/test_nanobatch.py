@@ -244,14 +244,15 @@ def test_joined_broadcast_values_keep_a_unit_stride_last_dim():
 @pytest.mark.parametrize("k", [2, 4])
 def test_dynamic_batch_sizes_compile_once_split_unevenly_and_exactly(fake_pg_numbers, k):
     """A symbolic batch is cut in the graph at ``j * B // k`` (uneven where k does not
-    divide it): one graph for every batch size, no guard on it (eager lowering), outputs
-    and gradients those of the model, every collective split."""
+    divide it, empty pieces for batches under k after a compile at 5): one graph for every
+    batch size, no guard on it (eager lowering), outputs and gradients those of the model,
+    every collective split."""
     torch.manual_seed(0)
     model = AllReduceMLP()
     backend = KareusBackend({"nanobatches": k, "lowering": "eager", "profile": "off"})
     compiled = torch.compile(model, backend=backend, dynamic=True)
     torch._dynamo.utils.counters.clear()
-    for batch in (2, 3, 5, 8, 13):
+    for batch in (5, 2, 3, 8, 13):
         x = torch.randn(batch, 8)
         out = compiled(x)
         out.square().sum().backward()
@@ -338,6 +339,12 @@ def test_a_symbolic_batch_is_cut_in_the_graph(fake_pg_numbers):
     for batch in (2, 3, 4, 7, 11):  # uneven pieces, and empty ones below 4 rows
         x = torch.randn(batch, 8)
         torch.testing.assert_close(rewritten(x, w1, w2), gm(x, w1, w2))
+    # traced at a batch of 3, 4 nanobatches would compile an empty piece: not planned
+    small = make_fx(_mlp, tracing_mode="symbolic")(torch.randn(3, 8), w1, w2)
+    inputs = [n.meta["val"] for n in small.graph.find_nodes(op="placeholder")]
+    analysis = analyse(small, inputs, "inference", static_input_idxs=(1, 2))
+    assert analysis.space.nanobatches == (1, 2)
+    assert analysis.space.infeasible[4].kind is ReasonKind.NOT_DIVISIBLE
 
 
 def test_symbolic_split_dims_are_cut_alike_or_not_at_all(fake_pg):

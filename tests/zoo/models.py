@@ -150,12 +150,15 @@ def _hf_loss(m: torch.nn.Module, batch: Batch) -> torch.Tensor:
 
 def _padded_batch(step: int) -> Batch:
     """Right padding as a tokenizer makes it: rows 1 and 3 end 5 and 9 tokens early (mask 0,
-    label -100), so the 4-D attention mask varies over the batch."""
+    label -100), so the 4-D attention mask varies over the batch. From the second step on
+    the batch has 6 rows, not 4 (batching by a token budget varies it), so Dynamo compiles
+    graphs with a symbolic batch size, which k = 4 cuts unevenly (1, 2, 1, 2 rows)."""
     inputs, labels = make_batch(step, shifted=False)
     mask = torch.ones_like(inputs)
     for row, pad in ((1, 5), (3, 9)):
         mask[row, -pad:] = 0
-    return inputs.masked_fill(mask == 0, 0), labels.masked_fill(mask == 0, -100), mask
+    batch = inputs.masked_fill(mask == 0, 0), labels.masked_fill(mask == 0, -100), mask
+    return tuple(torch.cat([t, t[:2]]) for t in batch) if step else batch
 
 
 def _hf_from_pretrained(cls, path: Path, distributed_config) -> torch.nn.Module:
@@ -181,22 +184,12 @@ def _llama_config(*, tied: bool = False):
     )
 
 
-def _ragged_batch(step: int) -> Batch:
-    """The last batch of an epoch that does not divide it (``drop_last=False``): from the
-    second step on 3 rows, not 4, so Dynamo compiles a graph with a symbolic batch size,
-    which a nanobatch count of 2 cuts unevenly."""
-    return tuple(t[:3] if step else t for t in make_batch(step, shifted=False))
-
-
-def hf_llama_auto(
-    setup: ZooSetup, *, tied: bool = False, padded: bool = False, ragged: bool = False
-) -> ZooModel:
+def hf_llama_auto(setup: ZooSetup, *, tied: bool = False, padded: bool = False) -> ZooModel:
     """``LlamaForCausalLM.from_pretrained(..., DistributedConfig(tp_plan="auto"))``.
 
     ``padded``: batches with right padding and an attention mask (HF then materialises a
     per-sample 4-D mask and SDPA takes the repeat_kv path for the KV heads). At kareus
-    347e274 this variant trained wrong with eager lowering and k = 2 or 4. ``ragged``:
-    ``_ragged_batch``.
+    347e274 this variant trained wrong with eager lowering and k = 2 or 4.
     """
     from transformers import LlamaForCausalLM
     from transformers.distributed import DistributedConfig
@@ -209,10 +202,7 @@ def hf_llama_auto(
         LlamaForCausalLM, path,
         DistributedConfig(tp_plan="auto", tp_size=setup.world_size),
     )
-    batch = (
-        _padded_batch if padded else _ragged_batch if ragged
-        else (lambda step: make_batch(step, shifted=False))
-    )
+    batch = _padded_batch if padded else (lambda step: make_batch(step, shifted=False))
     return ZooModel(model, batch, _hf_loss)
 
 
@@ -353,7 +343,6 @@ BUILDERS: dict[str, Callable[[ZooSetup], ZooModel]] = {
     "hf-llama-auto": hf_llama_auto,
     "hf-llama-auto-tied": lambda setup: hf_llama_auto(setup, tied=True),
     "hf-llama-auto-padded": lambda setup: hf_llama_auto(setup, padded=True),
-    "hf-llama-auto-ragged": lambda setup: hf_llama_auto(setup, ragged=True),
     "hf-llama-colrow": hf_llama_colrow,
     "hf-qwen3-auto": hf_qwen3_auto,
     "hf-mixtral-ep": hf_mixtral_ep,

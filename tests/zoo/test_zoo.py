@@ -52,11 +52,10 @@ MATRIX: dict[str, list[dict[str, object]]] = {
     # vocab-sharded logits out of the compiled graph, cross entropy under loss_parallel()
     "titan-llama3-lossparallel": [K2_PLANNED],
     "hf-llama-auto": [K2, K2_PLANNED, K4_EAGER],
-    # right padding, a batch-varying 4-D mask: eager lowering gave wrong losses here at 347e274
+    # right padding, a batch-varying 4-D mask: eager lowering gave wrong losses here at 347e274;
+    # a larger second batch: the graphs Dynamo recompiles with a symbolic batch split too
     "hf-llama-auto-padded": [K2_EAGER, K4_EAGER, K2_MEASURED],
     "hf-llama-colrow": [K2_PLANNED, K4_EAGER],
-    # a smaller second batch: the graphs Dynamo recompiles with a symbolic batch split too
-    "hf-llama-auto-ragged": [K2_EAGER],
     "hf-qwen3-auto": [K2_PLANNED, K4_EAGER],
     "hf-mixtral-ep": [K2_PLANNED],
     "hf-mixtral-ep-allreduce": [K2_EAGER, K2_PLANNED],
@@ -76,7 +75,7 @@ MOE: dict[str, tuple[str, ReasonKind]] = {
 # (model, options label) -> why it fails today; xfail, not strict: a fix shows as XPASS.
 KNOWN: dict[tuple[str, str], str] = {}
 
-# Measured (all models, all option sets): loss rel diff <= 1.1e-7, max grad diff <= 1.5e-7.
+# Measured (all models, all option sets): loss rel diff <= 2.0e-7, max grad diff <= 1.5e-7.
 LOSS_REL, LOSS_ABS, GRAD_ABS = 1e-5, 1e-6, 1e-5
 SPAWN_TIMEOUT_S = 420.0
 
