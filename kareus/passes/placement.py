@@ -444,13 +444,9 @@ def _reshaped(p: Split, src: Sequence[int], dst: Sequence[int], k: int) -> Split
 def _symbolic_reshape(p: Split, src: SymbolicSize, lead: Size, dim: int) -> Split | Reason:
     """A symbolic split dim is cut in units of its batch expression (``sizes.units``):
     the reshape may merge it with inner dims or split inner ones off, not cut those units."""
-    unit = sizes.units(src)
-    if (
-        (p.blocks > 1 and lead != src)
-        or unit is None
-        or not sizes.symbolic(lead)
-        or sizes.units(lead) is None
-        or sizes.units(lead)[1] != unit[1]
+    unit, lead_unit = sizes.units(src), sizes.units(lead) if sizes.symbolic(lead) else None
+    if (p.blocks > 1 and lead != src) or unit is None or lead_unit is None or (
+        lead_unit[1] != unit[1]
     ):
         return Reason(
             ReasonKind.SYMBOLIC_SHAPES, None,
