@@ -50,6 +50,10 @@ from kareus.version import build
 
 log = logging.getLogger("kareus")
 
+EXCHANGED = ("rows exchanged in per-rank blocks: split by those exchanges only, as the "
+             "nanobatches option says, on every rank alike (neither planned nor agreed: "
+             "ranks compile its versions at different steps)")
+
 
 class KareusBackend:
     """A torch.compile backend with its own options, device, policy and reports.
@@ -199,9 +203,13 @@ class KareusBackend:
         if kind == "forward":
             self._forwards[region] = analysis.interfaces
         compile_key = self.runtime.compiles.key(analysis.shape_free_key)
-        planning = options.plans(analysis.space.nanobatches,
-                                 policy_in_code=self._policy_in_code, pipelined=pipelined)
-        counts = () if self._given_plan else self.planner.graph_counts(analysis)
+        # A graph exchanging rows in per-rank blocks runs as the options say, on every
+        # version alike (``runtime.materialise.agreed``): profiles differ by rank.
+        planning = not analysis.exchanged and options.plans(
+            analysis.space.nanobatches, policy_in_code=self._policy_in_code,
+            pipelined=pipelined)
+        counts = () if self._given_plan or analysis.exchanged else (
+            self.planner.graph_counts(analysis))
         settings = options.profiling(self.protocol)
         profiled = profile(
             analysis, counts, device, self.store_dir, settings,
@@ -236,7 +244,7 @@ class KareusBackend:
             analysis, decision, lowering=options.lowering, device=device.name,
             estimate=estimate, profiles=profiled.profiles,
             notes=tuple(n for n in (*opened_notes(opened), profiled.note, plan_note,
-                                    estimate_note) if n),
+                                    estimate_note, analysis.exchanged and EXCHANGED) if n),
             profile_gpu_s=self.spend.by_graph.get(analysis.label, 0.0),
         ))
         lowered = lower(compiled, inputs, options.lowering, **kwargs)

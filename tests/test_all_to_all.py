@@ -7,8 +7,14 @@ split of the batch travels with them and each nanobatch's all-to-all moves its o
 both all-to-alls split, forward and backward, and the step computes what it did.
 
 An MoE's token exchange (an EP all-to-all of routed tokens) has split sizes that are token
-counts: uneven, different on every rank, or computed in the graph. No rank knows another's
-share of a nanobatch, so that exchange ends the split region with a typed reason.
+counts: uneven and different on every rank. A nanobatch's share of it is a chunk of every
+rank's block (``j * s // k`` of a block of ``s`` rows), which the block's sender and its
+receiver cut alike from the size both know: the analysis lays the tokens out by
+destination, the exchange out and back splits, and so does its backward. Ranks compile
+such a graph at different steps (their counts differ), so it is split as its structure
+says, not agreed on: a rank compiling a version the other never compiles neither waits
+nor issues other collectives. Sizes read from tensor data in the graph itself (unbacked)
+end the split region with a typed reason.
 """
 
 import pytest
@@ -22,10 +28,12 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing import FileCheck
 
 from kareus import ReasonKind
+from kareus.backend import KareusBackend
 from kareus.codegen.apply import apply
+from kareus.passes.analyse import analyse
 from kareus.passes.decide import Policy, decide
 from kareus.passes.ops import OP_TABLE
-from kareus.passes.placement import PARTIAL, Split, propagate
+from kareus.passes.placement import PARTIAL, REPLICATE, Split, propagate
 
 A2A = "torch.ops._c10d_functional.all_to_all_single.default"
 
@@ -110,6 +118,55 @@ def test_token_exchange_with_rank_varying_counts_ends_the_split_region(
     assert [result.placements[n] for n in exchanged] == [Split(0, 2)] * 2
 
 
+class RoutedExpert(torch.nn.Module):
+    """An EP MoE's exchange with a per-token expert between: tokens out to their expert's
+    rank in ``sent`` blocks (``received`` from each rank), back after the expert."""
+
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.w = torch.nn.Linear(dim, dim)
+
+    def forward(self, tokens, sent, received):
+        group = dist.group.WORLD
+        routed = funcol.all_to_all_single_autograd(tokens, received, sent, group)
+        return funcol.all_to_all_single_autograd(torch.relu(self.w(routed)), sent, received, group)
+
+
+def test_tokens_laid_out_by_destination_exchange_a_chunk_of_every_block(fake_pg):
+    # rank 0 of 2 sends 5 tokens to itself and 3 to rank 1, and receives 2 from rank 1
+    graphs = analysed(RoutedExpert(), torch.randn(8, 16, requires_grad=True), [5, 3], [5, 2])
+    assert [g.kind for g, _ in graphs] == ["forward", "backward"]
+    for g, analysis in graphs:
+        assert analysis.exchanged, g.kind
+        placed = analysis.placements_at(2).placements
+        (tokens, *_) = (n for n in g.gm.graph.find_nodes(op="placeholder")
+                        if isinstance(placed[n], Split))
+        assert placed[tokens].sizes in ((5, 3), (5, 2)), placed[tokens]  # by destination
+        assert all(placed[c.node].sizes for c in analysis.collectives), g.kind
+        decision = decide(analysis, Policy(2))
+        assert decision.choice.nanobatches == 2, (g.kind, decision.fallback)
+        code = apply(g.gm, analysis, decision.choice).code
+        FileCheck().check_count(A2A, 4, exactly=True).run(code)
+    # forward: out in chunks 0 then 1 of [5, 3] (2 + 1, 3 + 2 rows), back from [5, 2]
+    forward, analysis = graphs[0]
+    forward_code = apply(forward.gm, analysis, decide(analysis, Policy(2)).choice).code
+    FileCheck().check(f"{A2A}(").check("[2, 1], [2, 1]").check(f"{A2A}(").check(
+        "[3, 1], [3, 2]").run(forward_code)
+
+
+def test_uneven_exchanges_are_split_only_by_their_blocks(fake_pg):
+    # a split other than by destination would depend on sizes that differ by rank
+    def fn(x, y):
+        return _moe_exchange(x, [5, 3], [2, 6]), funcol.all_reduce(y * 2, "sum", dist.group.WORLD)
+
+    gm = make_fx(fn)(torch.randn(8, 16), torch.randn(8, 4))
+    analysis = analyse(gm, [torch.randn(8, 16), torch.randn(8, 4)], "forward", backend="fake")
+    assert analysis.exchanged
+    placed = analysis.placements_at(2).placements
+    x, y = gm.graph.find_nodes(op="placeholder")
+    assert placed[x] == Split(0, 2, (5, 3)) and placed[y] == REPLICATE
+
+
 def test_token_counts_computed_in_the_graph_end_the_split_region(fake_pg):
     def fn(tokens, counts):
         sent = counts.tolist()
@@ -119,7 +176,7 @@ def test_token_counts_computed_in_the_graph_end_the_split_region(fake_pg):
     tokens = next(iter(gm.graph.find_nodes(op="placeholder")))
     (barrier, *_) = propagate(gm.graph, {tokens: Split(0)}, 2, OP_TABLE).barriers
     assert barrier.kind is ReasonKind.DATA_DEPENDENT_SIZES
-    assert "computed in the graph" in barrier.detail
+    assert "read from tensor data in the graph" in barrier.detail
 
 
 def dense_attention(model, x, causal=True):
@@ -173,3 +230,55 @@ def test_partial_sums_and_splits_off_the_exchanged_dim_pass_any_sizes(fake_pg):
     )
     assert [result.placements[n] for n in exchanged] == [PARTIAL, Split(1)]
     assert result.barriers == ()
+
+
+# Per step and rank: the blocks a rank sends (to rank 0, 1) and receives (from rank 0, 1).
+# Step 0 compiles static sizes; later steps recompile with symbolic ones, and a count of 1
+# (specialised by Dynamo) makes one rank compile a version the other never does.
+_ROUTES = (
+    (([5, 3], [5, 2]), ([2, 6], [3, 6])),
+    (([4, 7], [4, 1]), ([1, 3], [7, 3])),
+    (([6, 2], [6, 5]), ([5, 4], [2, 4])),
+)
+
+
+def _routed_worker(rank, port, out_dir):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        model = RoutedExpert()
+        backend = KareusBackend({"nanobatches": 2, "lowering": "inductor", "profile": "off"})
+        compiled = torch.compile(model, backend=backend)
+        diffs = []
+        for step, routes in enumerate(_ROUTES):
+            sent, received = routes[rank]
+            seed = torch.Generator().manual_seed(10 * step + rank)
+            x = torch.randn(sum(sent), 16, generator=seed)
+            runs = []
+            for run in (model, compiled):
+                tokens = x.clone().requires_grad_()
+                y = run(tokens, sent, received)
+                y.square().mean().backward()
+                grads = [p.grad.clone() for p in model.parameters()]
+                runs.append([y.detach(), tokens.grad, *grads])
+                model.zero_grad()
+            diffs.append(max((a - b).abs().max().item() for a, b in zip(*runs, strict=True)))
+        report(out_dir, rank, {
+            "diffs": diffs,
+            "graphs": [(r.kind, r.choice.nanobatches, r.coverage.split, r.coverage.total)
+                       for r in backend.reports()],
+        })
+    finally:
+        dist.destroy_process_group()
+    leave()
+
+
+@pytest.mark.slow
+def test_routed_tokens_split_exactly_on_gloo_whatever_each_rank_recompiles():
+    results = run_ranks(_routed_worker)
+    for result in results:
+        assert max(result["diffs"]) < 1e-5, result
+        # every version split, forward and backward: no rank waited or fell back alone
+        assert result["graphs"] and all(g[1:] == (2, 2, 2) for g in result["graphs"]), result
+    # the ranks compiled different numbers of versions, and still exchanged alike
+    assert len({len(r["graphs"]) for r in results}) == 2, results

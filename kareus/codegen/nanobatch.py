@@ -56,7 +56,7 @@ from kareus.passes.placement import (
     sliced_dim,
 )
 from kareus.passes.schema import arguments, position
-from kareus.passes.sizes import shape, symbolic, units
+from kareus.passes.sizes import chunk_rows, chunk_start, shape, symbolic, units
 
 aten = torch.ops.aten
 
@@ -378,7 +378,9 @@ class _Emitter:
                 for j, x in enumerate(pieces)
             ]
         dim = order.index(p.dim)
-        if p.blocks > 1 and symbolic(val.shape[p.dim]):
+        if p.sizes is not None:
+            pieces = self._exchanged_blocks(node, p, pieces, dim)
+        elif p.blocks > 1 and symbolic(val.shape[p.dim]):
             pieces = self._symbolic_blocks(node, p, pieces, dim)
         elif p.blocks > 1:
             chunk = val.shape[p.dim] // (p.blocks * self.k)
@@ -414,12 +416,36 @@ class _Emitter:
             ])
         return [blocks[j][b] for b in range(p.blocks) for j in range(self.k)]
 
+    def _exchanged_blocks(
+        self, node: torch.fx.Node, p: Split, pieces: list[torch.fx.Node], dim: int
+    ) -> list[torch.fx.Node]:
+        """The pieces' chunks of uneven blocks in the order of the whole value: piece ``j``
+        holds chunk ``j`` of every block, of the rows ``sizes.chunk_rows`` gives it."""
+        sizes_of = [self._size(s) for s in p.sizes]
+        chunks = []
+        for j, piece in enumerate(pieces):
+            emit = self._sizer(("chunks", node, j))
+            rows = [chunk_rows(s, j, self.k, emit, f"block{b}") for b, s in enumerate(sizes_of)]
+            bounds = _offsets(rows, emit)
+            chunks.append([
+                self._call(aten.slice.Tensor, (piece, dim, start, end), ("chunk", node, j, b))
+                for b, (start, end) in enumerate(itertools.pairwise(bounds))
+            ])
+        return [chunks[j][b] for b in range(p.blocks) for j in range(self.k)]
+
+    def _size(self, size: int | torch.fx.Node) -> object:
+        """A block size of ``Split.sizes`` in the rewritten graph."""
+        return size if isinstance(size, int) else self.whole(size)
+
     # -- emission ---------------------------------------------------------------------
 
     def emit(self) -> None:
         graph = self.rewrite.gm.graph
-        for node in graph.find_nodes(op="placeholder"):
-            self._placeholder(node)
+        placeholders = graph.find_nodes(op="placeholder")
+        for node in placeholders:
+            self.once[node] = self._record(self.graph.node_copy(node), ("once", node))
+        for node in placeholders:  # after all: a cut may read a size that comes later
+            self._cut_input(node)
         for node in graph.find_nodes(op="get_attr"):
             self.once[node] = self._copy_once(node)
         for segment in self.rewrite.segments:
@@ -472,12 +498,10 @@ class _Emitter:
             self.pieces.setdefault(w, [None] * self.k)
             self.deferred_waits.add((w, j))
 
-    def _placeholder(self, node: torch.fx.Node) -> None:
-        new = self._record(self.graph.node_copy(node), ("once", node))
-        self.once[node] = new
+    def _cut_input(self, node: torch.fx.Node) -> None:
         p = self.nodes[node].placement
         if isinstance(p, Split):
-            base = new
+            base = new = self.once[node]
             if not is_non_overlapping_and_dense_or_false(node.meta["val"]):
                 # Inductor (2.12-2.14) misses that a slice of a padded input overlaps the
                 # input and may reinplace a later write into the caller's tensor: slice a
@@ -486,10 +510,37 @@ class _Emitter:
                     aten.clone.default, (new,), ("dense", node),
                     {"memory_format": torch.contiguous_format},
                 )
+            if p.sizes is not None:
+                self.pieces[node] = self._cut_blocks(base, node, p)
+                return
             args = _slice_args(base, node, p.dim, self.k, self._sizer(("input", node)))
             self.pieces[node] = [
                 self._call(aten.slice.Tensor, args[j], ("input", node, j)) for j in range(self.k)
             ]
+
+    def _cut_blocks(
+        self, whole: torch.fx.Node, node: torch.fx.Node, p: Split
+    ) -> list[torch.fx.Node]:
+        """Each nanobatch of input ``whole`` (the value of ``node``) in uneven blocks: chunk
+        ``j`` of every block, concatenated in block order."""
+        emit = self._sizer(("input", "blocks", node))
+        sizes_of = [self._size(s) for s in p.sizes]
+        starts = _offsets(sizes_of, emit)
+        pieces = []
+        for j in range(self.k):
+            chunks = []
+            for b, size in enumerate(sizes_of):
+                step = f"block{b}"
+                start, end = (
+                    _plus(starts[b], chunk_start(size, i, self.k, emit, step), emit,
+                          f"{step}.at{i}")
+                    for i in (j, j + 1)
+                )
+                chunks.append(self._call(
+                    aten.slice.Tensor, (whole, p.dim, start, end), ("input", node, j, b)
+                ))
+            pieces.append(self._call(aten.cat.default, (chunks, p.dim), ("input", node, j)))
+        return pieces
 
     def _copy_once(self, node: torch.fx.Node) -> torch.fx.Node:
         return self._record(self.graph.node_copy(node, self.whole), ("once", node))
@@ -497,8 +548,8 @@ class _Emitter:
     def _copy(self, node: torch.fx.Node, j: int, group_name: str | None = None) -> torch.fx.Node:
         plan = self.nodes[node]
         target, args, kwargs = _copy_args(
-            node, plan, self.k, lambda a: self.piece(a, j), lambda a, dim: self._slice(a, dim, j),
-            self._sizer(("piece", node, j)), group_name,
+            node, plan, self.k, j, lambda a: self.piece(a, j),
+            lambda a, dim: self._slice(a, dim, j), self._sizer(("piece", node, j)), group_name,
         )
         new = _create(self.graph, node.op, target, args, kwargs)
         self._record(new, ("piece", node, j))
@@ -579,6 +630,11 @@ class _PartitionEmitter:
             raise CannotRewrite(
                 f"partition {partition.index}: its collective is not split into nanobatches"
             )
+        if any(_exchanged(plan.placement) for plan in self.nodes.values()):
+            raise CannotRewrite(
+                f"partition {partition.index}: rows exchanged in per-rank blocks are not "
+                "measured alone (their sizes differ by rank: such graphs are not planned)"
+            )
         # An item of a value computed elsewhere (a tuple: an attention backward's gradients)
         # comes in as an input of its own, a tensor, like the values it is taken from.
         self.computed, computed = [], set()
@@ -622,7 +678,7 @@ class _PartitionEmitter:
 
     def _copy(self, node: torch.fx.Node) -> None:
         target, args, kwargs = _copy_args(
-            node, self.nodes[node], self.k, self.env.__getitem__, self._slice, self._sizer
+            node, self.nodes[node], self.k, 0, self.env.__getitem__, self._slice, self._sizer
         )
         self.env[node] = _create(self.graph, node.op, target, args, kwargs)
 
@@ -636,7 +692,8 @@ class _PartitionEmitter:
             return _create(self.graph, "call_function", aten.slice.Tensor, args, None)
 
         target, args, kwargs = _copy_args(
-            node, self.nodes[node], self.k, lambda a: other, slice_other, self._sizer, group_name
+            node, self.nodes[node], self.k, 0, lambda a: other, slice_other, self._sizer,
+            group_name,
         )
         return _create(self.graph, "call_function", target, args, kwargs)
 
@@ -654,6 +711,12 @@ class _PartitionEmitter:
 
 
 _getitem = operator.getitem
+
+
+def _exchanged(p: NodePlacement) -> bool:
+    """Whether ``p`` cuts rows in uneven per-rank blocks (``Split.sizes``)."""
+    return any(isinstance(q, Split) and q.sizes is not None
+               for q in (p if isinstance(p, tuple) else (p,)))
 
 
 def _create(
@@ -678,12 +741,13 @@ def _copy_args(
     node: torch.fx.Node,
     plan: _NodePlan,
     k: int,
+    j: int,
     value: Callable[[torch.fx.Node], torch.fx.Node],
     slice_of: Callable[[torch.fx.Node, int], torch.fx.Node],
     emit: Sizer,
     group_name: str | None = None,
 ) -> tuple[object, tuple, dict[str, object]]:
-    """``node``'s op and arguments in one nanobatch, in every mode of the emitter: each operand
+    """``node``'s op and arguments in nanobatch ``j``, in every mode of the emitter: each operand
     its ``value`` there, or ``slice_of`` it along a dim where the op pairs a whole operand
     element by element with its split ones (``_sliced_operand_dim``); the shapes they spell
     out resized to one nanobatch (sizes of a symbolic batch computed with ``emit``); a
@@ -694,7 +758,7 @@ def _copy_args(
     )
     target = node.target
     if plan.split and plan.resize is not None:
-        args = plan.resize(node, args, plan.placement, k, emit)
+        args = plan.resize(node, args, plan.placement, k, j, emit)
         if isinstance(args, Retarget):
             target, args = args
     if group_name is not None:
@@ -723,11 +787,28 @@ def _slice_args(
     def cut(j: int) -> object:
         if j in (0, k):
             return 0 if j == 0 else rows
-        share = emit(operator.floordiv, (emit(operator.mul, (batch, j), f"times{j}"), k), f"cut{j}")
+        share = chunk_start(batch, j, k, emit, "batch")
         return emit(operator.mul, (share, coeff), f"rows{j}") if coeff > 1 else share
 
     cuts = [cut(j) for j in range(k + 1)]
     return [(whole, dim, cuts[j], cuts[j + 1]) for j in range(k)]
+
+
+def _plus(a: object, b: object, emit: Sizer, step: str) -> object:
+    """``a + b`` of sizes: an int, or computed in the graph where either is a node."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a + b
+    if isinstance(a, int) and a == 0:
+        return b
+    return emit(operator.add, (a, b), step)
+
+
+def _offsets(rows: Sequence[object], emit: Sizer) -> list[object]:
+    """Where each of blocks of ``rows`` starts, and where the last ends."""
+    bounds = [0]
+    for b, r in enumerate(rows):
+        bounds.append(_plus(bounds[-1], r, emit, f"offset{b}"))
+    return bounds
 
 
 def _with_group(node: torch.fx.Node, args: tuple, group_name: str) -> tuple:

@@ -23,6 +23,9 @@ from kareus.passes.collectives import Collective, find_collectives
 from kareus.passes.interface import (
     ForwardInterface,
     backward_inputs,
+    by_exchanges_only,
+    cut_by_destination,
+    exchanged,
     forward_inputs,
     record_forward,
 )
@@ -58,6 +61,10 @@ class GraphAnalysis:
     interfaces: ForwardInterfaces  # forward graphs: what their backward needs, per k > 1
     exclusive: Mapping[str, frozenset[str]]  # group -> collective kinds never two in flight
     table: OpTable = field(compare=False, repr=False)  # the op facts it was analysed with
+    exchanged: bool = False
+    """Its rows are exchanged in per-rank blocks (``Split.sizes``): split only by those
+    exchanges, whatever else its inputs carry, so every version of it (its sizes differ by
+    rank and step) is analysed alike; never planned, nor agreed (``runtime.materialise``)."""
     rewrites: dict[int, Any] = field(default_factory=dict, compare=False, repr=False)
     """A cache for codegen: per count, the k-way emitted graph (``NanobatchRewrite``) that
     ``apply`` materialises every variant of that count from."""
@@ -99,6 +106,11 @@ def analyse(
         else:
             inputs = forward_inputs(graph, static_input_idxs)
         placements[k] = propagate(graph, inputs, k, table)
+        inputs, placements[k] = cut_by_destination(
+            graph, inputs, placements[k], collectives, k, table
+        )
+        if exchanged(placements[k]):
+            placements[k] = propagate(graph, by_exchanges_only(inputs), k, table)
         why = feasibility(graph, placements[k], k, collectives)
         if why:
             infeasible[k] = why
@@ -121,6 +133,7 @@ def analyse(
         interfaces=interfaces,
         exclusive={c.group_name: exclusive_kinds(backend) for c in collectives},
         table=table,
+        exchanged=exchanged(placements[2]),
     )
 
 
@@ -137,7 +150,9 @@ def feasibility(
     for node, p in result.placements.items():
         for q in p if isinstance(p, tuple) else (p,):
             q = q.rows if isinstance(q, Aligned) else q  # sliced per nanobatch like a split
-            if isinstance(q, Split) and node.op != "output":
+            # Rows in per-rank blocks are cut block by block, whatever their sizes (which
+            # the graph reads at run time): nothing to check here.
+            if isinstance(q, Split) and q.sizes is None and node.op != "output":
                 size = _split_size(node, p, q)
                 if sizes.symbolic(size):
                     unit = sizes.units(size)

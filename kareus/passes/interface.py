@@ -11,20 +11,26 @@ is the gradient of the forward's ``i``-th user output and is placed like it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx
 from torch.utils._pytree import tree_leaves
 
+from kareus.passes.collectives import Collective
 from kareus.passes.placement import (
     REPLICATE,
     Aligned,
     NodePlacement,
     PlacementResult,
     RowIds,
+    RuleTable,
     Split,
+    exchanged_blocks,
+    per_nanobatch,
+    propagate,
 )
+from kareus.passes.schema import arguments
 from kareus.passes.sizes import shape
 
 
@@ -68,18 +74,22 @@ def backward_inputs(
     tangents = [n for n in inputs if n.name.startswith("tangents")]
     saved = [n for n in inputs if not n.name.startswith("tangents")]
     user_outputs = forward.outputs[: len(forward.outputs) - len(saved)]
-    placements = {n: _as_input(forward.placements.get(n.name)) for n in saved}
+    named = {n.name: n for n in saved}
+    placements = {n: _as_input(forward.placements.get(n.name), named) for n in saved}
     for i, tangent in enumerate(tangents):
         source = user_outputs[i] if len(tangents) == len(user_outputs) else None
         # A tangent whose output is unknown is a full tensor like any other: replicated.
-        placements[tangent] = _as_input(forward.placements.get(source) if source else None)
+        placements[tangent] = _as_input(
+            forward.placements.get(source) if source else None, named
+        )
     return placements
 
 
-def _as_input(p: NodePlacement | None) -> NodePlacement:
+def _as_input(p: NodePlacement | None, saved: dict[str, torch.fx.Node]) -> NodePlacement:
     """A forward value as the backward receives it: whole, joined from its pieces.
 
-    Split again where the forward split it along one dim, or laid it out so; row ids stay
+    Split again where the forward split it along one dim (in uneven blocks or not), or
+    laid it out so; row ids stay
     row ids (the same value: the forward computed it once). Anything else is, to the
     backward, one full tensor used as is (replicated): a joined sum, nanobatch 0's
     attention seed (unused without dropout, which the rules refuse), a value the forward
@@ -90,7 +100,95 @@ def _as_input(p: NodePlacement | None) -> NodePlacement:
         p = p.rows  # the very value the forward computed once, laid out like the batch
     if isinstance(p, Split) and p.blocks == 1:
         return p
+    if isinstance(p, Split) and p.sizes is not None:
+        # Rows in uneven per-rank blocks, cut alike where the backward has their sizes
+        # (saved with the same names: AOT autograd saves the forward's symbolic sizes).
+        # Otherwise any cut of the inputs is one where all are cut alike.
+        sizes = tuple(s if isinstance(s, int) else saved.get(s.name) for s in p.sizes)
+        return replace(p, sizes=sizes) if None not in sizes else Split(p.dim)
     return p if isinstance(p, RowIds) else REPLICATE
+
+
+def cut_by_destination(
+    graph: torch.fx.Graph,
+    inputs: dict[torch.fx.Node, NodePlacement],
+    result: PlacementResult,
+    collectives: Sequence[Collective],
+    k: int,
+    table: RuleTable,
+) -> tuple[dict[torch.fx.Node, NodePlacement], PlacementResult]:
+    """The inputs laid out by destination where that splits more of the graph's collectives.
+
+    An MoE's dispatch sends its routed tokens in one block per destination rank, of sizes
+    that differ by rank; a nanobatch's share of them is a chunk of every block
+    (``Split.sizes``), not a contiguous chunk of the rows. So where an all-to-all of rows
+    from the graph's inputs, split or not, is not split, the inputs its rows come from
+    (those of as many rows) are cut by its blocks instead, and kept so if more collectives
+    then stay split (the backward's tangents alike: its exchange back)."""
+    relaid = dict(inputs)
+    for node in graph.find_nodes(op="call_function", target=_ALL_TO_ALL):
+        source = node.args[0]
+        if result.placements.get(source) not in (Split(0), REPLICATE) or per_nanobatch(
+            result.placements[node]
+        ):
+            continue
+        blocks = exchanged_blocks(arguments(node)["input_split_sizes"])
+        rows = shape(_tensor(source))[:1]
+        for leaf in _placeholders_of(source) if isinstance(blocks, Split) else ():
+            # Any cut of an input is exact where every value is cut alike: a tangent the
+            # backward knows nothing of (replicated) is cut by destination as well.
+            given = inputs.get(leaf, REPLICATE)
+            if given in (Split(0), REPLICATE) and _tensor(leaf) is not None and (
+                shape(_tensor(leaf))[:1] == rows
+            ):
+                kept = relaid.get(leaf, REPLICATE)
+                relaid[leaf] = blocks if kept in (Split(0), REPLICATE, blocks) else given
+    if relaid == inputs:
+        return inputs, result
+    relaid_result = propagate(graph, relaid, k, table)
+    if _split_count(relaid_result, collectives) > _split_count(result, collectives):
+        return relaid, relaid_result
+    return inputs, result
+
+
+def exchanged(result: PlacementResult) -> bool:
+    """Whether some value is cut in uneven per-rank blocks (``Split.sizes``)."""
+    return any(
+        isinstance(q, Split) and q.sizes is not None
+        for p in result.placements.values() for q in (p if isinstance(p, tuple) else (p,))
+    )
+
+
+def by_exchanges_only(
+    inputs: dict[torch.fx.Node, NodePlacement],
+) -> dict[torch.fx.Node, NodePlacement]:
+    """The inputs of a graph that exchanges rows in per-rank blocks, split by those blocks
+    only: an input split because its leading size is the batch's depends on sizes that
+    differ by rank and step, and every version of the graph must split alike."""
+    return {
+        n: p for n, p in inputs.items()
+        if not (isinstance(p, Split) and p.sizes is None)
+    }
+
+
+def _placeholders_of(node: torch.fx.Node) -> list[torch.fx.Node]:
+    seen, stack, found = set(), [node], []
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            found.append(n)
+        stack.extend(n.all_input_nodes)
+    return found
+
+
+def _split_count(result: PlacementResult, collectives: Sequence[Collective]) -> int:
+    return sum(per_nanobatch(result.placements[c.node]) for c in collectives)
+
+
+_ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default
 
 
 def _tensor(node: torch.fx.Node) -> torch.Tensor | None:

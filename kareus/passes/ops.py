@@ -50,8 +50,7 @@ class Cost(Enum):
         return self in (Cost.MATMUL, Cost.ATTENTION, Cost.CONVOLUTION)
 
 
-Sizer = Callable[[Callable[..., object], tuple, str], torch.fx.Node]
-"""Emits one step of size arithmetic into the rewritten graph: (target, args, step name)."""
+Sizer = sizes.Emit
 
 class Retarget(NamedTuple):
     """What a resize returns where one nanobatch needs another op (``_resize_split``)."""
@@ -60,7 +59,8 @@ class Retarget(NamedTuple):
     args: tuple
 
 
-Resize = Callable[[torch.fx.Node, tuple, NodePlacement, int, Sizer], "tuple | Retarget"]
+Resize = Callable[[torch.fx.Node, tuple, NodePlacement, int, int, Sizer], "tuple | Retarget"]
+"""Arguments of ``node`` for nanobatch ``j`` of ``k``, placed ``p``."""
 
 
 @dataclass(frozen=True)
@@ -89,17 +89,18 @@ def _shape(node: torch.fx.Node) -> tuple[sizes.Size, ...]:
 
 
 def _resize_shape(
-    node: torch.fx.Node, args: tuple, p: NodePlacement, k: int, emit: Sizer
+    node: torch.fx.Node, args: tuple, p: NodePlacement, k: int, j: int, emit: Sizer
 ) -> tuple:
     """view / reshape / expand: the target shape's split dim holds one nanobatch.
 
-    Static dims are spelt out; a symbolic split dim is left to the op (-1: inferred, or
-    kept by an expand), as its size differs by nanobatch; other symbolic dims keep the
-    graph's own nodes (``rules.view`` refused one it spells -1 beside a symbolic split)."""
+    Static dims are spelt out; a symbolic split dim, or one in uneven blocks, is left to
+    the op (-1: inferred, or kept by an expand), as its size differs by nanobatch; other
+    symbolic dims keep the graph's own nodes (``rules.view`` refused one it spells -1
+    beside a symbolic split)."""
     if not isinstance(p, Split):
         return args
     shape = [
-        (-1 if sizes.symbolic(size) else size // k) if d == p.dim
+        (-1 if sizes.symbolic(size) or p.sizes is not None else size // k) if d == p.dim
         else given if sizes.symbolic(size) else size
         for d, (size, given) in enumerate(zip(sizes.shape(node.meta["val"]), args[1], strict=True))
     ]
@@ -107,7 +108,7 @@ def _resize_shape(
 
 
 def _resize_split(
-    node: torch.fx.Node, args: tuple, p: NodePlacement, k: int, emit: Sizer
+    node: torch.fx.Node, args: tuple, p: NodePlacement, k: int, j: int, emit: Sizer
 ) -> tuple | Retarget:
     """split / split_with_sizes along the split dim (of a blocked value): sizes per nanobatch,
     for a symbolic dim the piece's rows over the parts (``rules.split``: equal parts), as
@@ -133,7 +134,7 @@ _WHOLE_DIM = 2**63 - 1  # an end past any dim: aten.slice clamps it
 
 
 def _resize_slice(
-    node: torch.fx.Node, args: tuple, p: NodePlacement, k: int, emit: Sizer
+    node: torch.fx.Node, args: tuple, p: NodePlacement, k: int, j: int, emit: Sizer
 ) -> tuple:
     """slice / slice_scatter along the split dim that the rule accepted (the whole dim, or
     whole blocks of a blocked one): one nanobatch's bounds, each block's chunk 1/k of it."""
@@ -152,16 +153,21 @@ def _resize_slice(
 
 
 def _resize_all_to_all(
-    node: torch.fx.Node, args: tuple, p: NodePlacement, k: int, emit: Sizer
+    node: torch.fx.Node, args: tuple, p: NodePlacement, k: int, j: int, emit: Sizer
 ) -> tuple:
-    """An all-to-all of split rows (even blocks, or all rows to one rank:
-    ``rules.all_to_all``): each rank's block holds one nanobatch's share."""
+    """An all-to-all of split rows (``rules.all_to_all``): each rank's block holds one
+    nanobatch's share; of uneven blocks, chunk ``j`` of each (sizes computed in the graph
+    where they are symbolic)."""
     if not isinstance(p, Split) or p.dim != 0:
         return args
     resized = list(args)
     for name in ("output_split_sizes", "input_split_sizes"):
         index = position(node, name)
-        resized[index] = [size // k for size in args[index]]
+        resized[index] = [
+            sizes.chunk_rows(size, j, k, emit, f"{name}{b}") if p.sizes is not None
+            else size // k
+            for b, size in enumerate(args[index])
+        ]
     return tuple(resized)
 
 

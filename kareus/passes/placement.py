@@ -5,7 +5,10 @@ Placements (DESIGN.md section 3), propagated through the graph from its inputs:
 - ``Split(dim, blocks)``: nanobatch ``i`` holds the ``i``-th of ``k`` equal chunks of
   ``dim``. With ``blocks > 1`` the dim is ``blocks`` equal blocks laid end to end (a
   concatenation or an all-gather along the split dim) and nanobatch ``i`` holds the
-  ``i``-th chunk of every block, in block order.
+  ``i``-th chunk of every block, in block order. With ``sizes`` the blocks are uneven,
+  one per rank of an all-to-all (an MoE's tokens by destination or by source), and
+  chunk ``i`` of a block of ``s`` rows is rows ``i * s // k`` to ``(i + 1) * s // k``:
+  a rank and its peer cut the block they exchange alike, from the size both know.
 - ``Replicate()``: one value that does not depend on the batch (parameters, constants),
   used as is by every nanobatch.
 - ``Partial()``: one contribution per nanobatch; the value is their sum (a contraction
@@ -26,8 +29,8 @@ why it cannot split, of a kind that reports and tests group by. Rules cover the 
 post-AOT graphs of Llama-family models as torchtitan and Hugging Face write them, under
 tensor, sequence and loss parallelism, all-gathers of blocked values and slices of their
 blocks (context parallelism's keys and values), and all-to-alls whose split sizes every rank
-knows (sequence parallelism over heads, a ring's shift); an MoE's token exchange, whose
-sizes are token counts, ends a split region.
+knows (sequence parallelism over heads, a ring's shift) or whose rows are laid out by
+destination (an MoE's token exchange, its sizes token counts: ``Split.sizes``).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from typing import Protocol
 
 import torch
 import torch.fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from kareus.passes import sizes
 from kareus.passes.reasons import Reason, ReasonKind
@@ -53,6 +57,13 @@ aten = torch.ops.aten
 class Split:
     dim: int
     blocks: int = 1
+    sizes: tuple[int | torch.fx.Node, ...] | None = None
+    """Uneven blocks: the rows of each, as the graph spells them (an int, or the node of a
+    symbolic size); each block is cut at ``j * size // k`` (``blocks == len(sizes)``)."""
+
+    def __post_init__(self) -> None:
+        if self.sizes is not None and self.blocks != len(self.sizes):
+            raise ValueError(f"{len(self.sizes)} block sizes for {self.blocks} blocks")
 
 
 @dataclass(frozen=True)
@@ -299,7 +310,7 @@ def pointwise(ctx: RuleContext) -> NodePlacement | Reason:
     for a in tensors:
         p = ctx.pl(a)
         if isinstance(p, Split):
-            splits[a] = Split(p.dim + out_ndim - len(_shape_of(a)), p.blocks)
+            splits[a] = replace(p, dim=p.dim + out_ndim - len(_shape_of(a)))
         elif isinstance(p, Partial):
             partial.append(a)
         elif isinstance(p, Local):
@@ -402,8 +413,11 @@ def _reshaped(p: Split, src: Sequence[int], dst: Sequence[int], k: int) -> Split
 
     Chunk ``i`` of the split dim is a contiguous chunk of its group only if the dims
     before it in the group are 1; it is chunk ``i`` of the group's first non-1 output dim
-    if that dim divides by ``k`` (by ``blocks * k`` for a blocked split).
+    if that dim divides by ``k`` (by ``blocks * k`` for a blocked split). Rows in uneven
+    blocks are not followed through a reshape (the rewrite would spell a piece's rows).
     """
+    if p.sizes is not None:
+        return _along_split_dim("reshape of rows cut in uneven per-rank blocks")
     i = j = 0
     while i < len(src) or j < len(dst):
         gi, gj = [i], [j]
@@ -436,7 +450,7 @@ def _reshaped(p: Split, src: Sequence[int], dst: Sequence[int], k: int) -> Split
                 return _along_split_dim(
                     "reshape splits the split dim in a way nanobatches cannot follow"
                 )
-            return Split(lead, p.blocks)
+            return replace(p, dim=lead)
         i, j = gi[-1] + 1, gj[-1] + 1
     raise AssertionError(f"split dim {p.dim} outside a reshape of {src} to {dst}")
 
@@ -478,7 +492,7 @@ def expand(ctx: RuleContext) -> NodePlacement | Reason:
     dim = p.dim + len(dst) - len(src)
     if dst[dim] != src[p.dim]:
         return _along_split_dim("expand broadcasts the split dim")
-    return Split(dim, p.blocks)
+    return replace(p, dim=dim)
 
 
 def permute(ctx: RuleContext) -> NodePlacement | Reason:
@@ -487,7 +501,7 @@ def permute(ctx: RuleContext) -> NodePlacement | Reason:
         return _replicate_or_partial(p)
     order = ctx.arg("dims")
     dims = [_norm(d, len(order)) for d in order]
-    return Split(dims.index(p.dim), p.blocks)
+    return replace(p, dim=dims.index(p.dim))
 
 
 def transpose(ctx: RuleContext) -> NodePlacement | Reason:
@@ -499,7 +513,7 @@ def transpose(ctx: RuleContext) -> NodePlacement | Reason:
         a, b = _norm(ctx.arg("dim0"), ndim), _norm(ctx.arg("dim1"), ndim)
     else:  # aten.t
         a, b = 0, 1
-    return Split({a: b, b: a}.get(p.dim, p.dim), p.blocks)
+    return replace(p, dim={a: b, b: a}.get(p.dim, p.dim))
 
 
 def unsqueeze(ctx: RuleContext) -> NodePlacement | Reason:
@@ -507,7 +521,7 @@ def unsqueeze(ctx: RuleContext) -> NodePlacement | Reason:
     if not isinstance(p, Split):
         return _replicate_or_partial(p)
     dim = _norm(ctx.arg("dim"), len(_shape(ctx.out)))
-    return Split(p.dim + (dim <= p.dim), p.blocks)
+    return replace(p, dim=p.dim + (dim <= p.dim))
 
 
 def squeeze(ctx: RuleContext) -> NodePlacement | Reason:
@@ -520,7 +534,7 @@ def squeeze(ctx: RuleContext) -> NodePlacement | Reason:
     removed = [d for d in (_norm(d, len(src)) for d in dims) if src[d] == 1]
     if p.dim in removed:
         return _along_split_dim("squeeze removes the split dim")
-    return Split(p.dim - sum(d < p.dim for d in removed), p.blocks)
+    return replace(p, dim=p.dim - sum(d < p.dim for d in removed))
 
 
 def view_as_complex(ctx: RuleContext) -> NodePlacement | Reason:
@@ -548,6 +562,8 @@ def slice_(ctx: RuleContext) -> NodePlacement | Reason:
     dim = _norm(ctx.arg("dim", 0), len(src))
     if dim != p.dim or _shape(ctx.out) == src:
         return p
+    if p.sizes is not None:
+        return _along_split_dim("slice of rows cut in uneven per-rank blocks")
     bounds = slice_bounds(ctx.arg("start"), ctx.arg("end"), src[dim])
     blocks = _whole_blocks(bounds, ctx.arg("step", 1), src[dim] // p.blocks)
     if blocks is None:
@@ -581,6 +597,8 @@ def scatter_into(ctx: RuleContext) -> NodePlacement | Reason:
     dim = _norm(ctx.arg("dim", 0), ndim)
     if not isinstance(src, Split):
         return _unsupported_form("scatter of an unsplit source")
+    if src.sizes is not None:
+        return _unsupported_form("scatter of rows cut in uneven per-rank blocks")
     if src.dim == dim and "start" in ctx.args:
         return _scatter_blocks(ctx, src, dim)
     if src.blocks != 1:
@@ -625,7 +643,7 @@ def select(ctx: RuleContext) -> NodePlacement | Reason:
     dim = _norm(ctx.arg("dim"), len(_shape_of(ctx.arg("input"))))
     if dim == p.dim:
         return _along_split_dim("select along the split dim")
-    return Split(p.dim - (dim < p.dim), p.blocks)
+    return replace(p, dim=p.dim - (dim < p.dim))
 
 
 def split(ctx: RuleContext) -> NodePlacement | Reason:
@@ -637,6 +655,8 @@ def split(ctx: RuleContext) -> NodePlacement | Reason:
     dim = _norm(ctx.arg("dim", 0), len(src))
     if dim != p.dim:
         return (p,) * n
+    if p.sizes is not None:
+        return _along_split_dim("split of rows cut in uneven per-rank blocks")
     # Splitting a blocked dim into groups of whole blocks (an all-gather followed by
     # DTensor's re-layout, or by one chunk per rank) leaves each block chunked the same way.
     if p.blocks % n == 0 and all(n * _shape(o)[dim] == src[dim] for o in ctx.out):
@@ -652,7 +672,7 @@ def unbind(ctx: RuleContext) -> NodePlacement | Reason:
     dim = _norm(ctx.arg("dim", 0), len(_shape_of(ctx.arg("input"))))
     if dim == p.dim:
         return _along_split_dim("unbind along the split dim")
-    return (Split(p.dim - (dim < p.dim), p.blocks),) * n
+    return (replace(p, dim=p.dim - (dim < p.dim)),) * n
 
 
 def cat(ctx: RuleContext) -> NodePlacement | Reason:
@@ -668,7 +688,7 @@ def cat(ctx: RuleContext) -> NodePlacement | Reason:
     if dim != p.dim:
         return p
     sizes = {_shape_of(t)[dim] for t in tensors}
-    if len(sizes) == 1:
+    if len(sizes) == 1 and p.sizes is None:
         return Split(dim, len(tensors) * p.blocks)
     return _along_split_dim("concatenation along the split dim of unequal pieces")
 
@@ -681,7 +701,7 @@ def stack(ctx: RuleContext) -> NodePlacement | Reason:
     if not isinstance(p, Split):
         return _unsplit(p, "stack")
     dim = _norm(ctx.arg("dim", 0), len(_shape(ctx.out)))
-    return Split(p.dim + (dim <= p.dim), p.blocks)
+    return replace(p, dim=p.dim + (dim <= p.dim))
 
 
 def constant_pad(ctx: RuleContext) -> NodePlacement | Reason:
@@ -736,7 +756,7 @@ def index(ctx: RuleContext) -> NodePlacement | Reason:
     if p.dim < used[0]:
         return p
     index_ndim = max(len(_shape_of(indices[d])) for d in used)
-    return Split(p.dim - len(used) + index_ndim, p.blocks)
+    return replace(p, dim=p.dim - len(used) + index_ndim)
 
 
 # -- matmuls, reductions, normalisations ------------------------------------------------
@@ -781,7 +801,7 @@ def _matmul(
         isinstance(a, Split)
         and isinstance(b, Split)
         and (a.dim, b.dim) == (col, row)
-        and a.blocks == b.blocks
+        and (a.blocks, a.sizes) == (b.blocks, b.sizes)
     ):
         return PARTIAL
     if (isinstance(a, Partial) and rep_b) or (rep_a and isinstance(b, Partial)):
@@ -808,7 +828,7 @@ def _reduction(ctx: RuleContext, linear: bool) -> NodePlacement | Reason:
     if p.dim in dims:
         return PARTIAL if linear else _along_split_dim("reduction over the split dim")
     keepdim = bool(ctx.arg("keepdim", False))
-    return Split(p.dim if keepdim else p.dim - sum(d < p.dim for d in dims), p.blocks)
+    return replace(p, dim=p.dim if keepdim else p.dim - sum(d < p.dim for d in dims))
 
 
 def sum_(ctx: RuleContext) -> NodePlacement | Reason:
@@ -1060,6 +1080,8 @@ def all_gather(ctx: RuleContext) -> NodePlacement | Reason:
         return _unsplit(p, "all-gather")
     if p.dim != 0:
         return p
+    if p.sizes is not None:
+        return _along_split_dim("all-gather of rows cut in uneven per-rank blocks")
     # Each rank's blocks, laid end to end in rank order: every one chunked alike.
     return Split(0, n * p.blocks)
 
@@ -1072,6 +1094,8 @@ def reduce_scatter(ctx: RuleContext) -> NodePlacement | Reason:
         return _replicate_or_partial(p)
     if p.dim != 0:
         return p
+    if p.sizes is not None:
+        return _along_split_dim("reduce-scatter of rows cut in uneven per-rank blocks")
     if p.blocks % n:
         return _along_split_dim(
             f"reduce-scatter of rows split in {p.blocks} block(s) over {n} ranks: a rank's "
@@ -1089,23 +1113,38 @@ def all_to_all(ctx: RuleContext) -> NodePlacement | Reason:
     """Rows (dim 0) leave in ``input_split_sizes`` blocks, one per rank, and arrive in
     ``output_split_sizes`` blocks. A split along another dim travels with its rows, and a
     partial sum stays one (the exchange is linear), whatever the sizes. Along dim 0 a
-    nanobatch must send its share of every rank's block: a split into blocks that refine
-    the ranks' blocks, with even sizes, the same on every rank; or all rows go to one rank
-    and come from one (``funcol.permute_tensor``, a ring's shift: sizes that differ by rank
-    only in which rank that is), so a nanobatch's share is its own rows. Sizes computed in
-    the graph or uneven otherwise (an MoE's token counts) vary by rank, so no share is known
-    on every rank."""
-    p = _input(ctx)
+    nanobatch must send its share of every rank's block:
+
+    - rows cut in uneven blocks of the sizes it sends (``Split.sizes``: an MoE's tokens
+      laid out by destination) arrive cut in the blocks it receives. The sizes differ by
+      rank, but each rank knows those of the blocks it sends and receives, and a block's
+      sender and receiver cut it alike from its size (chunk ``j`` of ``s`` rows starts at
+      ``j * s // k``), so no rank needs another's sizes (``exchanged_blocks``).
+    - a split into even blocks that refine the ranks' blocks, the same on every rank; or
+      all rows to one rank and from one (``funcol.permute_tensor``, a ring's shift), so a
+      nanobatch's share is its own rows.
+
+    Analysis lays out the graph's inputs by destination where that splits an all-to-all
+    (``interface.cut_by_destination``)."""
+    p, raw = _input(ctx), arguments(ctx.node)
     if not isinstance(p, Split):
         return _replicate_or_partial(p)
     if p.dim != 0:
         return p
+    if p.sizes is not None:
+        if tuple(raw["input_split_sizes"]) != p.sizes:
+            return _operands_split_apart(
+                "all-to-all of rows cut in blocks other than those it sends"
+            )
+        return exchanged_blocks(raw["output_split_sizes"])
     sent, received = ctx.arg("input_split_sizes"), ctx.arg("output_split_sizes")
     sizes = [*sent, *received]
     if not all(isinstance(s, int) for s in sizes):
-        return _data_dependent_sizes(
-            "all-to-all of split rows with split sizes computed in the graph (token counts): "
-            "a nanobatch's share of each rank's rows is not known on every rank"
+        unknown = exchanged_blocks([*raw["input_split_sizes"], *raw["output_split_sizes"]])
+        return unknown if isinstance(unknown, Reason) else _data_dependent_sizes(
+            "all-to-all of split rows with sizes computed in the graph (token counts), its "
+            "input not laid out by destination: a nanobatch's share of each rank's rows is "
+            "not its rows"
         )
     rows, n = _shape_of(ctx.arg("input"))[0], len(sent)
     if _permutation(sent, rows) and _permutation(received, _shape(ctx.out)[0]):
@@ -1113,7 +1152,8 @@ def all_to_all(ctx: RuleContext) -> NodePlacement | Reason:
     if any(s * n != rows for s in sizes):
         return _data_dependent_sizes(
             f"all-to-all of split rows with uneven split sizes (sent {list(sent)}, received "
-            f"{list(received)}): they vary by rank, a nanobatch's share is not known on every rank"
+            f"{list(received)}), its input not laid out by destination: a nanobatch's share "
+            "of each rank's rows is not its rows"
         )
     if p.blocks % n:
         return _along_split_dim(
@@ -1121,3 +1161,20 @@ def all_to_all(ctx: RuleContext) -> NodePlacement | Reason:
             "rows are not its share of every rank's block"
         )
     return p
+
+
+def exchanged_blocks(given: Sequence[object]) -> Split | Reason:
+    """Rows in uneven blocks of the sizes ``given`` (an all-to-all's split sizes as the
+    graph spells them: ints, or the graph's symbolic inputs), or why not: sizes the graph
+    reads from tensor data itself (unbacked symbols) have no example value, and fake
+    propagation of a piece cut from one guards on it."""
+    for size in given:
+        val = size.meta.get("val") if isinstance(size, torch.fx.Node) else size
+        if not isinstance(val, (int, torch.SymInt)) or (
+            isinstance(val, torch.SymInt) and free_unbacked_symbols(val)
+        ):
+            return _data_dependent_sizes(
+                f"all-to-all of rows in blocks of sizes read from tensor data in the graph "
+                f"({size}): no piece of them can be propagated without a guard"
+            )
+    return Split(0, len(given), tuple(given))

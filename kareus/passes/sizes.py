@@ -14,10 +14,13 @@ not divide ``R``, the same cut for every value of the graph (``units``).
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import sympy
 import torch
+import torch.fx
 
 from kareus.errors import KareusError
 from kareus.passes.collectives import size_hint
@@ -99,3 +102,29 @@ def units(d: SymbolicSize) -> tuple[int, sympy.Expr] | None:
     if not coeff.is_Integer or coeff <= 0 or rest.is_Add:
         return None
     return int(coeff), rest
+
+
+Emit = Callable[[Callable[..., object], tuple, str], "torch.fx.Node"]
+"""Emits one step of size arithmetic into a graph: (target, args, step name)."""
+
+
+def chunk_start(
+    size: int | torch.fx.Node, j: int, k: int, emit: Emit | None = None, step: str = ""
+) -> object:
+    """Where nanobatch ``j``'s chunk of a block of ``size`` rows starts: ``j * size // k``
+    (an int, or computed in the graph with ``emit`` from the node of a symbolic size)."""
+    if j in (0, k):
+        return 0 if j == 0 else size
+    if isinstance(size, int):
+        return j * size // k
+    assert emit is not None, "a symbolic size's cut is computed in a graph"
+    return emit(operator.floordiv, (emit(operator.mul, (size, j), f"{step}.times{j}"), k),
+                f"{step}.cut{j}")
+
+
+def chunk_rows(size: int | torch.fx.Node, j: int, k: int, emit: Emit, step: str) -> object:
+    """The rows of nanobatch ``j``'s chunk of a block of ``size`` rows."""
+    if isinstance(size, int):
+        return (j + 1) * size // k - j * size // k
+    end, start = chunk_start(size, j + 1, k, emit, step), chunk_start(size, j, k, emit, step)
+    return end if j == 0 else emit(operator.sub, (end, start), f"{step}.rows{j}")

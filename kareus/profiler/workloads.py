@@ -138,7 +138,7 @@ def _first_piece(val: torch.Tensor, p: Split, k: int) -> int:
     if not sizes.symbolic(size):
         return size // k
     coeff, _ = sizes.units(size)
-    return coeff * (size.hint // coeff // k)
+    return coeff * sizes.chunk_start(size.hint // coeff, 1, k)
 
 
 def _dense_strides(given: list[int], shape: list[int]) -> list[int]:

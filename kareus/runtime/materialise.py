@@ -37,9 +37,14 @@ def agreed(
 ) -> tuple[torch.fx.GraphModule, Decision]:
     """The graph that runs and the decision every rank of its collectives took: ``decision``
     where it can be rewritten (else unrewritten, ``CANNOT_REWRITE``) and every rank took the
-    same one (else unrewritten, ``RANKS_DISAGREED``), also where this rank asked for none."""
+    same one (else unrewritten, ``RANKS_DISAGREED``), also where this rank asked for none.
+
+    A graph that exchanges rows in per-rank blocks (``GraphAnalysis.exchanged``) is not
+    agreed on: its sizes differ by rank, so ranks compile its versions at different steps,
+    and a rank may run a version no other rank compiled. Its decision is one every version
+    takes alike (from its structure and the options, never planned), so none waits."""
     decision, compiled = _rewritten(gm, analysis, decision)
-    if analysis.collectives:
+    if analysis.collectives and not analysis.exchanged:
         verdict = agree(
             compile_key, {"variant": decision.variant, "clock": decision.clock_mhz},
             _groups(analysis),

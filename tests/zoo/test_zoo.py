@@ -17,6 +17,7 @@ import functools
 import pytest
 
 from kareus import ReasonKind
+from kareus.backend import EXCHANGED
 
 from .harness import FAKE_NVML, ZooResult, graph_line, options_label, run_zoo
 from .models import REQUIRES
@@ -67,7 +68,9 @@ MATRIX: dict[str, list[dict[str, object]]] = {
 # whole batch, sorted by expert; the split resumes in batch order, before their all-reduce).
 COVERAGE_TARGET = 0.9
 # MoEs below the target: where a split region ends that keeps them there, and why. The
-# token all-to-alls of an all-to-all EP have split sizes that are token counts.
+# all-to-all EP's dispatch splits (by destination, its sizes the token counts); the combine
+# follows the experts' sort of the received tokens, computed once: its rows are not laid
+# out by destination.
 MOE: dict[str, tuple[str, ReasonKind]] = {
     "hf-mixtral-ep": ("all_to_all_single", ReasonKind.DATA_DEPENDENT_SIZES),
 }
@@ -121,7 +124,8 @@ def test_trains_like_eager(model, options):
         assert all(p.error is None for p in profiles), [p.error for p in profiles if p.error]
         assert all(p.evaluations for p in profiles)
         splits = [g for g in r.reports if options["nanobatches"] in g.variants.nanobatches
-                  and any(c.launch_slots > 1 for c in g.variants.partitions(2))]
+                  and any(c.launch_slots > 1 for c in g.variants.partitions(2))
+                  and EXCHANGED not in g.notes]  # those run as the options say
         assert all(g.profiles for g in splits) if planned else not profiles, "profiles"
         if options.get(FAKE_NVML):  # a real GPU's path: planned at the graphs' first calls
             assert splits and all(any(n.startswith("whole graph measured at its first call")
@@ -136,6 +140,10 @@ def test_trains_like_eager(model, options):
         symbolic = exchanges and all(g.fallback is not None and g.fallback.kind is
                                      ReasonKind.SYMBOLIC_SHAPES for g in exchanges)
         assert MOE[model] in barriers or symbolic, barriers
+        dispatched = [g for r in results for g in r.reports if EXCHANGED in g.notes]
+        assert symbolic or (dispatched and all(
+            g.nanobatches == options["nanobatches"] and g.coverage.split for g in dispatched
+        )), [graph_line(results[0], g) for g in dispatched]
         return
     for r in results:
         for kind in ("forward", "backward"):
