@@ -51,8 +51,8 @@ from kareus.version import build
 log = logging.getLogger("kareus")
 
 EXCHANGED = ("rows exchanged in per-rank blocks: split by those exchanges only, as the "
-             "nanobatches option says, on every rank alike (neither planned nor agreed: "
-             "ranks compile its versions at different steps)")
+             "nanobatches option says, on every rank alike (neither planned, verified nor "
+             "agreed: ranks compile its versions at different steps)")
 
 
 class KareusBackend:
@@ -248,12 +248,14 @@ class KareusBackend:
             profile_gpu_s=self.spend.by_graph.get(analysis.label, 0.0),
         ))
         lowered = lower(compiled, inputs, options.lowering, **kwargs)
-        if choice is None and first_call is None and not options.verify and not pipelined:
+        # An exchanged graph's check would be agreed on, as its decision is not.
+        verify = options.verify and not analysis.exchanged
+        if choice is None and first_call is None and not verify and not pipelined:
             return lowered
         verifier = Verifier(
             gm, analysis, builder, self._reports, compile_key=compile_key,
             timeout_s=options.agreement_timeout_s,
-        ) if options.verify else None
+        ) if verify else None
         return SelectableGraph(
             analysis.label, analysis.key, decision.choice, lowered, builder, self.planner,
             self._reports, verifier, self.runtime.instructions if pipelined else None,
