@@ -114,6 +114,14 @@ def analyse(
         why = feasibility(graph, placements[k], k, collectives)
         if why:
             infeasible[k] = why
+    exchanges = any(exchanged(result) for result in placements.values())
+    for k, result in placements.items():
+        if exchanges and not exchanged(result):  # split by its size, not its exchanges
+            infeasible.setdefault(k, Reason(
+                ReasonKind.DATA_DEPENDENT_SIZES, None,
+                f"at {k} nanobatches the graph's all-to-all rows would not be cut by "
+                "destination, and every version of it (sizes differ by rank) must split alike",
+            ))
     interfaces = (
         {k: record_forward(graph, result) for k, result in placements.items()}
         if kind == "forward"
@@ -133,7 +141,7 @@ def analyse(
         interfaces=interfaces,
         exclusive={c.group_name: exclusive_kinds(backend) for c in collectives},
         table=table,
-        exchanged=exchanged(placements[2]),
+        exchanged=exchanges,
     )
 
 
