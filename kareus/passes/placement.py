@@ -61,10 +61,6 @@ class Split:
     """Uneven blocks: the rows of each, as the graph spells them (an int, or the node of a
     symbolic size); each block is cut at ``j * size // k`` (``blocks == len(sizes)``)."""
 
-    def __post_init__(self) -> None:
-        if self.sizes is not None and self.blocks != len(self.sizes):
-            raise ValueError(f"{len(self.sizes)} block sizes for {self.blocks} blocks")
-
 
 @dataclass(frozen=True)
 class Replicate:
