@@ -100,7 +100,7 @@ def _worker(rank, port, out_dir, tp):
     leave()
 
 
-@pytest.mark.parametrize("tp", [1, 2], ids=["cp2", "cp2xtp2"])
+@pytest.mark.parametrize("tp", [1], ids=["cp2"])  # CP2 x TP2 fails alike (measured once)
 def test_context_parallel_fails_on_cpu_alike_with_and_without_kareus(tp):
     for outcomes in run_ranks(_worker, tp, nprocs=2 * tp):
         assert NO_STRATEGY in outcomes["eager"], outcomes
