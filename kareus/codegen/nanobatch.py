@@ -52,6 +52,7 @@ from kareus.passes.placement import (
     Split,
     Whole,
     computed_once,
+    in_blocks,
     per_nanobatch,
     sliced_dim,
 )
@@ -630,7 +631,7 @@ class _PartitionEmitter:
             raise CannotRewrite(
                 f"partition {partition.index}: its collective is not split into nanobatches"
             )
-        if any(_exchanged(plan.placement) for plan in self.nodes.values()):
+        if any(in_blocks(plan.placement) for plan in self.nodes.values()):
             raise CannotRewrite(
                 f"partition {partition.index}: rows exchanged in per-rank blocks are not "
                 "measured alone (their sizes differ by rank: such graphs are not planned)"
@@ -711,12 +712,6 @@ class _PartitionEmitter:
 
 
 _getitem = operator.getitem
-
-
-def _exchanged(p: NodePlacement) -> bool:
-    """Whether ``p`` cuts rows in uneven per-rank blocks (``Split.sizes``)."""
-    return any(isinstance(q, Split) and q.sizes is not None
-               for q in (p if isinstance(p, tuple) else (p,)))
 
 
 def _create(

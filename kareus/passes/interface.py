@@ -27,6 +27,7 @@ from kareus.passes.placement import (
     RuleTable,
     Split,
     exchanged_blocks,
+    in_blocks,
     per_nanobatch,
     propagate,
 )
@@ -153,10 +154,7 @@ def cut_by_destination(
 
 def exchanged(result: PlacementResult) -> bool:
     """Whether some value is cut in uneven per-rank blocks (``Split.sizes``)."""
-    return any(
-        isinstance(q, Split) and q.sizes is not None
-        for p in result.placements.values() for q in (p if isinstance(p, tuple) else (p,))
-    )
+    return any(in_blocks(p) for p in result.placements.values())
 
 
 def by_exchanges_only(

@@ -113,6 +113,12 @@ def computed_once(p: NodePlacement) -> bool:
     return isinstance(p, Whole)
 
 
+def in_blocks(p: NodePlacement) -> bool:
+    """Whether ``p`` cuts rows in uneven per-rank blocks (``Split.sizes``)."""
+    return any(isinstance(q, Split) and q.sizes is not None
+               for q in (p if isinstance(p, tuple) else (p,)))
+
+
 def per_nanobatch(p: NodePlacement) -> bool:
     """Whether a node with this placement runs once per nanobatch."""
     if isinstance(p, tuple):
