@@ -120,7 +120,8 @@ class AotGraph:
 
 
 def aot_graphs(model: torch.nn.Module, *args: Any, backward: bool = True) -> list[AotGraph]:
-    """The forward (and, after ``.sum().backward()``, backward) graphs of ``model(*args)``."""
+    """The forward (and, after ``.sum().backward()`` of its floating-point outputs, backward)
+    graphs of ``model(*args)``."""
     captured = []
 
     def capture(gm, inputs, **kwargs):
@@ -139,8 +140,9 @@ def aot_graphs(model: torch.nn.Module, *args: Any, backward: bool = True) -> lis
         model, backend=lambda gm, ex: compile_fx(gm, ex, inner_compile=capture)
     )
     out = compiled(*args)
-    if backward:
-        out.sum().backward()
+    if backward:  # of every floating-point output (token counts have no gradient)
+        sum(o.sum() for o in (out if isinstance(out, tuple) else (out,))
+            if o.is_floating_point()).backward()
     torch._dynamo.reset()
     return captured
 

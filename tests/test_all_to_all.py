@@ -24,6 +24,8 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from conftest import analysed
 from gloo import against_eager, leave, report, run_ranks, sequence_shards
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing import FileCheck
 
@@ -165,6 +167,66 @@ def test_uneven_exchanges_are_split_only_by_their_blocks(fake_pg):
     placed = analysis.placements_at(2).placements
     x, y = gm.graph.find_nodes(op="placeholder")
     assert placed[x] == Split(0, 2, (5, 3)) and placed[y] == REPLICATE
+
+
+class RankRouter(torch.nn.Module):
+    """What an EP MoE does on each rank before its dispatch (transformers' expert-parallel
+    Mixtral): the rank takes its part of the replicated tokens (DTensor's Replicate ->
+    Shard(0); its backward all-gathers the gradients), counts their tokens per expert's
+    rank, and exchanges the counts."""
+
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.w = torch.nn.Linear(dim, dim)
+        self.mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+
+    def forward(self, tokens, experts):
+        n = dist.get_world_size()
+        part, ids = (
+            DTensor.from_local(t, self.mesh, [Replicate()], run_check=False)
+            .redistribute(self.mesh, [Shard(0)]).to_local()
+            for t in (tokens, experts)
+        )
+        counts = torch.zeros(n, dtype=torch.long).scatter_add(0, ids, torch.ones_like(ids))
+        received = funcol.all_to_all_single(counts, [1] * n, [1] * n, dist.group.WORLD)
+        return self.w(part), counts, received
+
+
+def test_a_ranks_part_of_the_tokens_is_cut_in_blocks_and_its_counts_exchanged_per_nanobatch(
+    fake_pg_numbers,
+):
+    # A contiguous half of the tokens is one rank's part: cut by parts (2 blocks), each
+    # nanobatch holds a chunk of the part this rank keeps, counts its tokens (a partial
+    # sum) and exchanges them; the backward all-gathers each nanobatch's gradients.
+    torch.manual_seed(0)
+    tokens, experts = torch.randn(8, 16, requires_grad=True), torch.randint(0, 2, (8,))
+    graphs = analysed(RankRouter(), tokens, experts)
+    assert [g.kind for g, _ in graphs] == ["forward", "backward"]
+    (graph, forward), _ = graphs
+    placed = forward.placements_at(2).placements
+    inputs = [placed[n] for n in graph.gm.graph.find_nodes(op="placeholder")]
+    assert inputs.count(Split(0, 2)) == 2, inputs  # the tokens and their experts, by part
+    assert [placed[c.node] for c in forward.collectives] == [PARTIAL]
+    for (g, analysis), kind in zip(graphs, ("all_to_all", "all_gather"), strict=True):
+        assert [c.kind for c in analysis.collectives] == [kind]
+        decision = decide(analysis, Policy(2))
+        assert decision.choice.nanobatches == 2, (g.kind, decision.fallback)
+        code = apply(g.gm, analysis, decision.choice).code
+        FileCheck().check_count(f"_c10d_functional.{kind}", 2, exactly=True).run(code)
+    model = RankRouter()
+    backend = KareusBackend({"nanobatches": 2, "lowering": "eager", "profile": "off"})
+    runs = []
+    for run in (model, torch.compile(model, backend=backend)):
+        x = tokens.detach().clone().requires_grad_()
+        out, counts, received = run(x, experts)
+        out.square().sum().backward()
+        runs.append((out, counts, received, x.grad, *(p.grad.clone() for p in model.parameters())))
+        model.zero_grad()
+    for eager, rewritten in zip(*runs, strict=True):
+        torch.testing.assert_close(rewritten, eager)
+    assert [(r.kind, r.nanobatches) for r in backend.reports()] == [
+        ("forward", 2), ("backward", 2)
+    ]
 
 
 def test_token_counts_computed_in_the_graph_end_the_split_region(fake_pg):

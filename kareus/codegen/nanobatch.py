@@ -237,13 +237,19 @@ def _sliced_operand_dim(
         return None if dim == -1 else dim
     if not facts.aligned_operands:
         return None
+    aligned = [arguments(node).get(name) for name in facts.aligned_operands]
+    if arg not in aligned:
+        return None
+    if isinstance(p, Partial):  # sliced like the split operand of its shape
+        split = next((
+            place[a] for a in node.all_input_nodes
+            if isinstance(place[a], Split) and _shape(a) == _shape(arg)
+        ), None)
+        return None if split is None else split.dim
     outs = p if isinstance(p, tuple) else (p,)
     split = next((q for q in outs if isinstance(q, Split)), None)
-    aligned = [arguments(node).get(name) for name in facts.aligned_operands]
-    if split is None or arg not in aligned:
-        return None
     out_ndim = len(_shape(node)) if isinstance(p, Split) else len(node.meta["val"][0].shape)
-    if len(_shape(arg)) != out_ndim:
+    if split is None or len(_shape(arg)) != out_ndim:
         return None
     return split.dim if _shape(arg)[split.dim] != 1 else None
 
@@ -344,6 +350,8 @@ class _Emitter:
     def _join(self, node: torch.fx.Node) -> torch.fx.Node:
         p = self.nodes[node].placement
         pieces = [self.piece(node, j) for j in range(self.k)]
+        if node in self.joined:  # emitting its last piece joined it (``join_early``)
+            return self.joined[node]
         if isinstance(p, Partial):
             total = pieces[0]
             for j, other in enumerate(pieces[1:], 1):
@@ -511,7 +519,7 @@ class _Emitter:
                     aten.clone.default, (new,), ("dense", node),
                     {"memory_format": torch.contiguous_format},
                 )
-            if p.sizes is not None:
+            if p.sizes is not None or p.blocks > 1:
                 self.pieces[node] = self._cut_blocks(base, node, p)
                 return
             args = _slice_args(base, node, p.dim, self.k, self._sizer(("input", node)))
@@ -522,10 +530,17 @@ class _Emitter:
     def _cut_blocks(
         self, whole: torch.fx.Node, node: torch.fx.Node, p: Split
     ) -> list[torch.fx.Node]:
-        """Each nanobatch of input ``whole`` (the value of ``node``) in uneven blocks: chunk
-        ``j`` of every block, concatenated in block order."""
+        """Each nanobatch of input ``whole`` (the value of ``node``) in blocks, uneven or
+        equal (of static rows: ``interface.cut_by_part``): chunk ``j`` of every block,
+        concatenated in block order."""
         emit = self._sizer(("input", "blocks", node))
-        sizes_of = [self._size(s) for s in p.sizes]
+        if p.sizes is not None:
+            sizes_of = [self._size(s) for s in p.sizes]
+        else:
+            rows = shape(node.meta["val"])[p.dim]
+            if symbolic(rows):
+                raise CannotRewrite(f"{node.name}: an input of symbolic rows cut in blocks")
+            sizes_of = [rows // p.blocks] * p.blocks
         starts = _offsets(sizes_of, emit)
         pieces = []
         for j in range(self.k):

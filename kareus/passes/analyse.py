@@ -24,7 +24,7 @@ from kareus.passes.interface import (
     ForwardInterface,
     backward_inputs,
     by_exchanges_only,
-    cut_by_destination,
+    cut_in_blocks,
     exchanged,
     forward_inputs,
     record_forward,
@@ -106,9 +106,7 @@ def analyse(
         else:
             inputs = forward_inputs(graph, static_input_idxs)
         placements[k] = propagate(graph, inputs, k, table)
-        inputs, placements[k] = cut_by_destination(
-            graph, inputs, placements[k], collectives, k, table
-        )
+        inputs, placements[k] = cut_in_blocks(graph, inputs, placements[k], collectives, k, table)
         if exchanged(placements[k]):
             placements[k] = propagate(graph, by_exchanges_only(inputs), k, table)
         why = feasibility(graph, placements[k], k, collectives)

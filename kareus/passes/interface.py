@@ -2,10 +2,13 @@
 
 Forward (and inference) graphs: parameters and buffers are Inductor's static inputs; the
 other inputs that feed compute are the user's activations, split along dim 0 when their
-leading size is the batch size (that of the first of them). Backward graphs: AOT autograd
-names each saved value after the forward node it came from, so a saved value is placed
-as it was in the forward (joined pieces of a split value are split again); ``tangents_i``
-is the gradient of the forward's ``i``-th user output and is placed like it.
+leading size is the batch size (that of the first of them), and cut in blocks instead where
+that splits more collectives: one per rank where a rank takes its part of them
+(``cut_by_part``), one per destination where they are exchanged (``cut_by_destination``).
+Backward graphs: AOT autograd names each saved value after the forward node it came from,
+so a saved value is placed as it was in the forward (joined pieces of a split value are
+split again); ``tangents_i`` is the gradient of the forward's ``i``-th user output that can
+have one (a floating-point tensor) and is placed like it.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from kareus.passes.placement import (
     per_nanobatch,
     propagate,
 )
+from kareus.passes.reasons import ReasonKind
 from kareus.passes.schema import arguments
 from kareus.passes.sizes import shape
 
@@ -41,6 +45,9 @@ class ForwardInterface:
 
     placements: dict[str, NodePlacement]
     outputs: tuple[str | None, ...]
+    differentiable: tuple[bool, ...] = ()
+    """Per output: whether it can have a gradient (a floating-point tensor); AOT autograd
+    gives the backward a tangent for such user outputs only (never for token counts)."""
 
 
 def forward_inputs(
@@ -63,7 +70,14 @@ def record_forward(graph: torch.fx.Graph, result: PlacementResult) -> ForwardInt
     (output,) = graph.find_nodes(op="output")
     values = tree_leaves(output.args[0])  # AOT graphs return a tuple; make_fx ones may not
     outputs = tuple(a.name if isinstance(a, torch.fx.Node) else None for a in values)
-    return ForwardInterface({n.name: p for n, p in result.placements.items()}, outputs)
+    differentiable = tuple(
+        isinstance(a, torch.fx.Node) and _tensor(a) is not None
+        and (_tensor(a).is_floating_point() or _tensor(a).is_complex())
+        for a in values
+    )
+    return ForwardInterface(
+        {n.name: p for n, p in result.placements.items()}, outputs, differentiable
+    )
 
 
 def backward_inputs(
@@ -74,7 +88,12 @@ def backward_inputs(
     inputs = list(graph.find_nodes(op="placeholder"))
     tangents = [n for n in inputs if n.name.startswith("tangents")]
     saved = [n for n in inputs if not n.name.startswith("tangents")]
-    user_outputs = forward.outputs[: len(forward.outputs) - len(saved)]
+    users = len(forward.outputs) - len(saved)
+    user_outputs = forward.outputs[:users]
+    if len(tangents) != users:  # a tangent per output that can have a gradient
+        user_outputs = tuple(
+            name for name, grad in zip(user_outputs, forward.differentiable) if grad
+        )
     named = {n.name: n for n in saved}
     placements = {n: _as_input(forward.placements.get(n.name), named) for n in saved}
     for i, tangent in enumerate(tangents):
@@ -110,7 +129,7 @@ def _as_input(p: NodePlacement | None, saved: dict[str, torch.fx.Node]) -> NodeP
     return p if isinstance(p, RowIds) else REPLICATE
 
 
-def cut_by_destination(
+def cut_in_blocks(
     graph: torch.fx.Graph,
     inputs: dict[torch.fx.Node, NodePlacement],
     result: PlacementResult,
@@ -118,14 +137,29 @@ def cut_by_destination(
     k: int,
     table: RuleTable,
 ) -> tuple[dict[torch.fx.Node, NodePlacement], PlacementResult]:
-    """The inputs laid out by destination where that splits more of the graph's collectives.
+    """The inputs, and their placements, cut in blocks where that splits more of the
+    graph's collectives than ``result`` (theirs as given): by part (``cut_by_part``), then
+    by destination (``cut_by_destination``)."""
+    for cut in (cut_by_part, cut_by_destination):
+        relaid = cut(graph, inputs, result)
+        if relaid != inputs:
+            relaid_result = propagate(graph, relaid, k, table)
+            if _split_count(relaid_result, collectives) > _split_count(result, collectives):
+                inputs, result = relaid, relaid_result
+    return inputs, result
+
+
+def cut_by_destination(
+    graph: torch.fx.Graph, inputs: dict[torch.fx.Node, NodePlacement], result: PlacementResult
+) -> dict[torch.fx.Node, NodePlacement]:
+    """The inputs laid out by destination where an all-to-all of their rows is not split.
 
     An MoE's dispatch sends its routed tokens in one block per destination rank, of sizes
     that differ by rank; a nanobatch's share of them is a chunk of every block
     (``Split.sizes``), not a contiguous chunk of the rows. So where an all-to-all of rows
     from the graph's inputs, split or not, is not split, the inputs its rows come from
-    (those of as many rows) are cut by its blocks instead, and kept so if more collectives
-    then stay split (the backward's tangents alike: its exchange back)."""
+    (those of as many rows) are cut by its blocks instead (the backward's tangents alike:
+    its exchange back)."""
     relaid = dict(inputs)
     for node in graph.find_nodes(op="call_function", target=_ALL_TO_ALL):
         source = node.args[0]
@@ -144,12 +178,36 @@ def cut_by_destination(
             ):
                 kept = relaid.get(leaf, REPLICATE)
                 relaid[leaf] = blocks if kept in (Split(0), REPLICATE, blocks) else given
-    if relaid == inputs:
-        return inputs, result
-    relaid_result = propagate(graph, relaid, k, table)
-    if _split_count(relaid_result, collectives) > _split_count(result, collectives):
-        return relaid, relaid_result
-    return inputs, result
+    return relaid
+
+
+def cut_by_part(
+    graph: torch.fx.Graph, inputs: dict[torch.fx.Node, NodePlacement], result: PlacementResult
+) -> dict[torch.fx.Node, NodePlacement]:
+    """The inputs cut in equal blocks where a rank takes its part of their rows.
+
+    DTensor's Replicate -> Shard(0) of a batch-split input (an MoE router taking its rank's
+    tokens) splits the rows into one part per rank and keeps one: a contiguous chunk of the
+    rows is all in one part, so the split region ends there. Cut as that many blocks
+    (``Split(0, parts)``), each nanobatch holds a chunk of every part, and of the part the
+    rank keeps."""
+    relaid = dict(inputs)
+    nodes = {n.name: n for n in graph.nodes}
+    for reason in result.barriers:
+        node = nodes[reason.node]
+        if reason.kind is not ReasonKind.ALONG_SPLIT_DIM or node.target not in _SPLITS:
+            continue
+        source, parts = node.args[0], len(node.meta["val"])
+        rows = shape(_tensor(source))[0]
+        dim = arguments(node).get("dim", 0)
+        if result.placements[source] != Split(0) or dim % _tensor(source).ndim or not (
+            isinstance(rows, int) and all(parts * shape(o)[0] == rows for o in node.meta["val"])
+        ):
+            continue
+        for leaf in _placeholders_of(source):
+            if inputs.get(leaf) == Split(0) and shape(_tensor(leaf))[:1] == (rows,):
+                relaid[leaf] = Split(0, parts)
+    return relaid
 
 
 def exchanged(result: PlacementResult) -> bool:
@@ -187,6 +245,7 @@ def _split_count(result: PlacementResult, collectives: Sequence[Collective]) -> 
 
 
 _ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default
+_SPLITS = frozenset({torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default})
 
 
 def _tensor(node: torch.fx.Node) -> torch.Tensor | None:

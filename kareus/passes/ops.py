@@ -71,7 +71,9 @@ class OpFacts:
     pointwise: bool = False
     random: bool = False
     # Operands laid out like the output (a per-sample attention mask, a scatter's target):
-    # when replicated or whole, sliced along the output's split dim unless of size 1 there.
+    # when replicated or whole, sliced along the output's split dim unless of size 1 there;
+    # where the output is a partial sum, like the split operand of their shape (the values
+    # a scatter_add pairs with its split indices).
     aligned_operands: tuple[str, ...] = ()
     partial_read: str | None = None  # a gather reads of this input only the rows it returns
     shape_only: tuple[str, ...] = ()  # operands it reads the shape of, not the data
@@ -229,16 +231,19 @@ _ENTRIES: dict[object, OpFacts] = {
     aten.as_strided: _FREE,
     aten.empty: _FREE,
     aten.empty_strided: _FREE,
-    aten.empty_like: _FREE,
+    aten.empty_like: OpFacts(Cost.FREE, rules.fill_like),
     # fills write their output and read no data (``input`` gives a shape); copy reads ``src``
-    aten.copy: OpFacts(Cost.MEMORY, shape_only=("input",)),
+    aten.copy: OpFacts(
+        Cost.MEMORY, rules.copy_into, shape_only=("input",), aligned_operands=("input",)
+    ),
     aten.copy_: OpFacts(Cost.MEMORY, shape_only=("input",)),
+    **{
+        op: OpFacts(Cost.MEMORY, rules.fill_like, shape_only=("input",))
+        for op in (aten.zeros_like, aten.ones_like, aten.full_like)
+    },
     **{
         op: OpFacts(Cost.MEMORY, shape_only=("input",))
         for op in (
-            aten.zeros_like,
-            aten.ones_like,
-            aten.full_like,
             aten.new_zeros,
             aten.new_ones,
             aten.new_full,
@@ -259,6 +264,7 @@ _ENTRIES: dict[object, OpFacts] = {
     aten.embedding_dense_backward: OpFacts(Cost.MEMORY, rules.embedding_backward),
     aten._unsafe_masked_index_put_accumulate: OpFacts(Cost.MEMORY, rules.masked_accumulate),
     aten.index_put: OpFacts(Cost.MEMORY, rules.index_put),
+    aten.scatter_add: OpFacts(Cost.MEMORY, rules.scatter_add, aligned_operands=("src",)),
     # matmuls
     aten.mm: OpFacts(Cost.MATMUL, rules.mm),
     aten.addmm: OpFacts(Cost.MATMUL, rules.addmm),

@@ -683,6 +683,8 @@ def cat(ctx: RuleContext) -> NodePlacement | Reason:
     if len(ps) != 1:
         return _operands_split_apart("concatenation of differently placed tensors")
     (p,) = ps
+    if isinstance(p, Partial):
+        return PARTIAL  # the concatenation of sums is the sum of the concatenations
     if not isinstance(p, Split):
         return _unsplit(p, "concatenation")
     ndim = len(_shape(ctx.out))
@@ -700,6 +702,8 @@ def stack(ctx: RuleContext) -> NodePlacement | Reason:
     if len(ps) != 1:
         return _operands_split_apart("stack of differently placed tensors")
     (p,) = ps
+    if isinstance(p, Partial):
+        return PARTIAL
     if not isinstance(p, Split):
         return _unsplit(p, "stack")
     dim = _norm(ctx.arg("dim", 0), len(_shape(ctx.out)))
@@ -988,6 +992,40 @@ def embedding_backward(ctx: RuleContext) -> NodePlacement | Reason:
     return PARTIAL
 
 
+def fill_like(ctx: RuleContext) -> NodePlacement:
+    """``zeros_like`` and kin: the shape of ``input``, none of its data. A fill of a split
+    value is one of each piece; of anything else (a partial sum: the whole value's shape),
+    one value for all."""
+    p = _input(ctx)
+    return p if isinstance(p, Split) else REPLICATE
+
+
+def copy_into(ctx: RuleContext) -> NodePlacement | Reason:
+    """``copy(input, src)``: ``src`` in ``input``'s dtype and layout; ``input`` gives only
+    those, so a whole one is sliced like split ``src`` (``OpFacts.aligned_operands``), and a
+    partial sum stays one."""
+    src, base = ctx.pl(ctx.arg("src")), ctx.pl(ctx.arg("input"))
+    if base == src or isinstance(base, Replicate) and not in_blocks(src):
+        return src
+    return _operands_split_apart("copy into a value placed otherwise than its source")
+
+
+def scatter_add(ctx: RuleContext) -> NodePlacement | Reason:
+    """Adding values into zeros at their indices (an MoE counting its tokens per expert):
+    each nanobatch adds its own into its own zeros, and the results add up, along any dim
+    as long as indices and values are split alike (a whole ``src`` is sliced like
+    ``index``: ``OpFacts.aligned_operands``)."""
+    index, src = ctx.arg("index"), ctx.arg("src")
+    if _shape_of(index) != _shape_of(src):
+        return _unsupported_form("scatter_add of fewer indices than values")
+    # Whole values (a fill of ones: counting) are sliced like the indices they pair with.
+    split, sliced = ctx.pl(index), isinstance(ctx.pl(src), Replicate)
+    if sliced and isinstance(split, Split) and (split.blocks > 1 or split.sizes is not None):
+        return _operands_split_apart("scatter_add of indices in blocks and whole values")
+    paired = [index] if sliced else [index, src]
+    return _accumulate_into_zeros(ctx, ctx.arg("input"), paired, split)
+
+
 def masked_accumulate(ctx: RuleContext) -> NodePlacement | Reason:
     return _accumulate_into_zeros(
         ctx, ctx.arg("input"), [ctx.arg("mask"), *ctx.arg("indices"), ctx.arg("values")]
@@ -995,23 +1033,27 @@ def masked_accumulate(ctx: RuleContext) -> NodePlacement | Reason:
 
 
 def _accumulate_into_zeros(
-    ctx: RuleContext, base: object, operands: list[object]
+    ctx: RuleContext, base: object, operands: list[object], split: Placement = Split(0)
 ) -> NodePlacement | Reason:
     """Scatter-adding the batch into zeros (an embedding's weight gradient) is a partial sum:
     each nanobatch scatters its rows into its own zeros, and the results add up."""
-    zeros = (
-        isinstance(base, torch.fx.Node)
-        and base.target is aten.full.default
-        and base.args[1] == 0
-        and isinstance(ctx.pl(base), Replicate)
-    )
-    if not zeros:
+    if not (_zeros(base) and isinstance(ctx.pl(base), Replicate)):
         return _unsupported_form("accumulation into a tensor other than fresh zeros")
-    if any(ctx.pl(o) != Split(0) for o in operands if isinstance(o, torch.fx.Node)):
-        return _operands_split_apart(
-            "accumulation of indices and values not split along their leading dim"
-        )
+    if not isinstance(split, Split) or any(
+        ctx.pl(o) != split for o in operands if isinstance(o, torch.fx.Node)
+    ):
+        return _operands_split_apart("accumulation of indices and values not split alike")
     return PARTIAL
+
+
+_ZERO_FILLS = frozenset({aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default})
+
+
+def _zeros(base: object) -> bool:
+    """Whether ``base`` is a fresh tensor of zeros."""
+    return isinstance(base, torch.fx.Node) and (
+        base.target in _ZERO_FILLS or base.target is aten.full.default and base.args[1] == 0
+    )
 
 
 def _scatter_to_rows(
@@ -1029,7 +1071,7 @@ def _scatter_to_rows(
         and isinstance(ctx.pl(base), Replicate)
         and _shape_of(base)[:1] == (ids.extent,)
         and (
-            base.target is aten.full.default and base.args[1] == 0
+            _zeros(base)
             if accumulate
             else ids.permutation and base.target in (aten.full.default, aten.empty.memory_format)
         )
