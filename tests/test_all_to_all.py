@@ -13,8 +13,11 @@ receiver cut alike from the size both know: the analysis lays the tokens out by
 destination, the exchange out and back splits, and so does its backward. Ranks compile
 such a graph at different steps (their counts differ), so it is split as its structure
 says, not agreed on: a rank compiling a version the other never compiles neither waits
-nor issues other collectives. Sizes read from tensor data in the graph itself (unbacked)
-end the split region with a typed reason.
+nor issues other collectives. Between the exchanges each nanobatch sorts the tokens it
+received by expert and runs the grouped experts on them alone. Before them, a rank's part
+of the replicated tokens is cut in blocks, so each nanobatch counts and exchanges its own.
+Sizes read from tensor data in the graph itself (unbacked) end the split region with a
+typed reason.
 """
 
 import pytest
@@ -127,6 +130,10 @@ class RoutedExpert(torch.nn.Module):
     def __init__(self, dim: int = 16):
         super().__init__()
         self.w = torch.nn.Linear(dim, dim)
+
+    def routing(self, tokens: int, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
+        """What the model takes besides its tokens and sizes: nothing."""
+        return ()
 
     def forward(self, tokens, sent, received):
         group = dist.group.WORLD
@@ -304,11 +311,15 @@ _ROUTES = (
 )
 
 
-def _routed_worker(rank, port, out_dir):
+def _routed_worker(rank, port, out_dir, model_class):
+    """``model_class()`` one step per route of ``_ROUTES``, eagerly and compiled (Inductor,
+    2 nanobatches): each step's largest difference, and the graphs compiled."""
+    if model_class is SortedExperts:
+        import transformers.integrations.moe  # noqa: F401  (registers its grouped matmul)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         torch.manual_seed(0)
-        model = RoutedExpert()
+        model = model_class()
         backend = KareusBackend({"nanobatches": 2, "lowering": "inductor", "profile": "off"})
         compiled = torch.compile(model, backend=backend)
         diffs = []
@@ -316,10 +327,11 @@ def _routed_worker(rank, port, out_dir):
             sent, received = routes[rank]
             seed = torch.Generator().manual_seed(10 * step + rank)
             x = torch.randn(sum(sent), 16, generator=seed)
+            routing = model.routing(sum(sent), seed)
             runs = []
             for run in (model, compiled):
                 tokens = x.clone().requires_grad_()
-                y = run(tokens, sent, received)
+                y = run(tokens, *routing, sent, received)
                 y.square().mean().backward()
                 grads = [p.grad.clone() for p in model.parameters()]
                 runs.append([y.detach(), tokens.grad, *grads])
@@ -327,7 +339,7 @@ def _routed_worker(rank, port, out_dir):
             diffs.append(max((a - b).abs().max().item() for a, b in zip(*runs, strict=True)))
         report(out_dir, rank, {
             "diffs": diffs,
-            "graphs": [(r.kind, r.choice.nanobatches, r.coverage.split, r.coverage.total)
+            "graphs": [(r.kind, r.nanobatches, r.coverage.split, r.coverage.total)
                        for r in backend.reports()],
         })
     finally:
@@ -335,9 +347,55 @@ def _routed_worker(rank, port, out_dir):
     leave()
 
 
+class SortedExperts(torch.nn.Module):
+    """An EP MoE layer as transformers' grouped experts run it between the exchanges: the
+    tokens (with their expert and gate) out to their experts' rank, sorted there by expert,
+    one grouped matmul over the groups (``offs``: a histogram's running sum), gated, put back
+    in the order they came (the sort's inverse) and sent back."""
+
+    def __init__(self, experts: int = 2, dim: int = 16):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(experts, dim, dim) / dim**0.5)
+
+    def routing(self, tokens: int, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
+        """Each token's expert and gate."""
+        experts = self.w.shape[0]
+        return (torch.randint(0, experts, (tokens,), generator=generator),
+                torch.rand(tokens, generator=generator))
+
+    def forward(self, tokens, expert, gate, sent, received):
+        group, experts = dist.group.WORLD, self.w.shape[0]
+        routed = funcol.all_to_all_single_autograd(tokens, received, sent, group)
+        ids = funcol.all_to_all_single(expert, received, sent, group)
+        gates = funcol.all_to_all_single_autograd(gate, received, sent, group)
+        ids, perm = torch.sort(ids)
+        counts = torch.histc(ids.float(), bins=experts, min=0, max=experts - 1)
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        out = torch.ops.transformers.grouped_mm_fallback(routed[perm], self.w, offs=offs)
+        out = torch.relu(out) * gates[perm].unsqueeze(-1)
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(perm.size(0))
+        return funcol.all_to_all_single_autograd(out[inverse], sent, received, group)
+
+
+@pytest.mark.slow
+def test_experts_sort_their_own_tokens_per_nanobatch_and_train_exactly_on_gloo():
+    # Each nanobatch sorts the chunk of every block it received, runs the experts on it and
+    # sends it back, while the other's exchange is in flight: every all-to-all of every
+    # forward version (static, then symbolic sizes) splits; in the backward the exchange
+    # back of the gradients (the experts' backward, computed once, sits between the two).
+    pytest.importorskip("transformers.integrations.moe")
+    for result in run_ranks(_routed_worker, SortedExperts):
+        assert max(result["diffs"]) < 1e-5, result
+        kinds = [g[0] for g in result["graphs"]]
+        assert kinds.count("forward") >= 2, result  # recompiled for symbolic sizes
+        assert all(g[1] == 2 and g[2] == (g[3] if g[0] == "forward" else 1)
+                   for g in result["graphs"]), result
+
+
 @pytest.mark.slow
 def test_routed_tokens_split_exactly_on_gloo_whatever_each_rank_recompiles():
-    results = run_ranks(_routed_worker)
+    results = run_ranks(_routed_worker, RoutedExpert)
     for result in results:
         assert max(result["diffs"]) < 1e-5, result
         # every version split, forward and backward: no rank waited or fell back alone

@@ -29,7 +29,7 @@ import contextlib
 import itertools
 import operator
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx
@@ -45,6 +45,7 @@ from kareus.passes.partition import GraphPartitioning, Partition, canonical_orde
 from kareus.passes.placement import (
     Aligned,
     Local,
+    LocalIds,
     NodePlacement,
     Partial,
     PlacementResult,
@@ -97,7 +98,8 @@ class _NodePlan:
     placement: NodePlacement
     split: bool  # runs once per nanobatch (and so is resized to one)
     meta: dict[str, object]  # copied to its copies: all but what propagation writes
-    sliced: dict[torch.fx.Node, int]  # whole operands sliced per nanobatch, along this dim
+    # whole operands sliced per nanobatch, along this dim (or cut in the blocks of a split)
+    sliced: dict[torch.fx.Node, int | Split]
     resize: Resize | None
     join_early: bool  # a partial sum that whole-batch consumers need: add it once complete
 
@@ -208,7 +210,7 @@ def _node_plan(
 
 def _sliced_operands(
     node: torch.fx.Node, place: dict[torch.fx.Node, NodePlacement], table: OpTable
-) -> dict[torch.fx.Node, int]:
+) -> dict[torch.fx.Node, int | Split]:
     """The whole operands that ``node``, run per nanobatch, takes a nanobatch's slice of,
     and along which dim (``_sliced_operand_dim``); none if it runs once."""
     if not per_nanobatch(place[node]):
@@ -222,15 +224,20 @@ def _sliced_operand_dim(
     arg: torch.fx.Node,
     place: dict[torch.fx.Node, NodePlacement],
     table: OpTable,
-) -> int | None:
+) -> int | Split | None:
     """The dim along which split ``node`` slices whole operand ``arg`` per nanobatch: the
     op pairs it element by element with its split operands (an elementwise op's operand
-    spanning the split dim, a per-sample attention mask). None: used as is."""
+    spanning the split dim, a per-sample attention mask). None: used as is. A split: the
+    rows a nanobatch's own ids pick from (``rules.index``), cut in its blocks."""
     p = place[node]
     if isinstance(place[arg], Aligned):
         return place[arg].rows.dim  # the rules took it for that split
     if not isinstance(place[arg], (Replicate, Whole)):
         return None
+    if node.target is aten.index.Tensor and arg is node.args[0] and isinstance(
+        place.get(node.args[1][0]), LocalIds
+    ):
+        return place[node.args[1][0]].rows
     facts = table.facts_of(node)
     if facts.pointwise and isinstance(p, Split):
         dim = sliced_dim(arg, p, len(_shape(node)))
@@ -305,6 +312,7 @@ class _Emitter:
         self.joined: dict[torch.fx.Node, torch.fx.Node] = {}
         self.deferred_waits: set[tuple[torch.fx.Node, int]] = set()
         self.slices: dict[tuple[torch.fx.Node, int], list[torch.fx.Node]] = {}
+        self.sorted_places: dict[torch.fx.Node, torch.fx.Node] = {}
         self.identity: dict[torch.fx.Node, Identity] = {}
 
     def _record(self, new: torch.fx.Node, identity: Identity) -> torch.fx.Node:
@@ -349,6 +357,9 @@ class _Emitter:
 
     def _join(self, node: torch.fx.Node) -> torch.fx.Node:
         p = self.nodes[node].placement
+        if any(isinstance(q, LocalIds) for q in (p if isinstance(p, tuple) else (p,))):
+            # A nanobatch's ids of its own rows (its sort's): the batch's, computed again.
+            return self._copy_once(node)
         pieces = [self.piece(node, j) for j in range(self.k)]
         if node in self.joined:  # emitting its last piece joined it (``join_early``)
             return self.joined[node]
@@ -360,9 +371,47 @@ class _Emitter:
         if isinstance(p, Local):
             # Only attention seeds are local; the rules refuse dropout, so they are unused.
             return pieces[0]
+        if isinstance(p, Split) and p.order is not None:
+            return self._unsorted(node, p, pieces)
         if isinstance(p, Split):
             return self._concatenate(node, p, pieces)
         raise CannotRewrite(f"{node.name} ({p}) cannot be joined into a whole value")
+
+    def _unsorted(
+        self, node: torch.fx.Node, p: Split, pieces: list[torch.fx.Node]
+    ) -> torch.fx.Node:
+        """Rows each nanobatch sorted itself, in the order of the batch's own sort: the
+        pieces laid end to end, gathered at the places ``_sorted_places`` gives."""
+        if p.dim != 0:
+            raise CannotRewrite(f"{node.name}: rows sorted per nanobatch along dim {p.dim}")
+        laid = self._cat(pieces, 0, ("cat", node), node.meta["val"].ndim)
+        places = self._sorted_places(p)
+        return self._call(aten.index.Tensor, (laid, [places]), ("unsort", node))
+
+    def _sorted_places(self, p: Split) -> torch.fx.Node:
+        """For each place of the batch's sort ``p.order``, where its row is among the
+        nanobatches' sorted rows laid end to end: row ``r`` of nanobatch ``j`` is at
+        ``offset_j + inverse_j[r]``; those places joined like the rows, then read in the
+        order of the sort of the whole batch (the graph's own, computed again)."""
+        (sort,) = (n for n in self.rewrite.gm.graph.nodes if n.name == p.order)
+        if sort in self.sorted_places:
+            return self.sorted_places[sort]
+        call, emit = self._call, self._sizer(("places", sort))
+        places, offset = [], 0
+        for j in range(self.k):
+            ids = call(_getitem, (self.piece(sort, j), 1), ("ids", sort, j))
+            inverse = call(_getitem, (call(aten.sort.default, (ids,), ("invert", sort, j)), 1),
+                           ("inverse", sort, j))
+            places.append(inverse if j == 0 else call(
+                aten.add.Tensor, (inverse, offset), ("place", sort, j)
+            ))
+            rows = emit(aten.sym_size.int, (ids, 0), f"rows{j}")
+            offset = _plus(offset, rows, emit, f"offset{j}")
+        chunks = self._exchanged_blocks(("places", sort), replace(p, order=None), places, 0)
+        by_row = self._cat(chunks, 0, ("places", sort), 1)
+        batch = call(_getitem, (self.whole(sort), 1), ("batch ids", sort))
+        self.sorted_places[sort] = call(aten.index.Tensor, (by_row, [batch]), ("sorted", sort))
+        return self.sorted_places[sort]
 
     def _concatenate(
         self, node: torch.fx.Node, p: Split, pieces: list[torch.fx.Node]
@@ -400,7 +449,7 @@ class _Emitter:
 
             parts = [[block(j, b) for b in range(p.blocks)] for j in range(self.k)]
             pieces = [parts[j][b] for b in range(p.blocks) for j in range(self.k)]
-        joined = call(aten.cat.default, (pieces, dim), ("cat", node))
+        joined = self._cat(pieces, dim, ("cat", node), val.ndim)
         if order != list(range(val.ndim)):
             back = [order.index(d) for d in range(val.ndim)]
             joined = call(aten.permute.default, (joined, back), ("unpermute", node))
@@ -441,6 +490,22 @@ class _Emitter:
                 for b, (start, end) in enumerate(itertools.pairwise(bounds))
             ])
         return [chunks[j][b] for b in range(p.blocks) for j in range(self.k)]
+
+    def _cat(
+        self, pieces: list[torch.fx.Node], dim: int, identity: Identity, ndim: int
+    ) -> torch.fx.Node:
+        """``cat`` of pieces of ``ndim`` dims; of 1-D ones as columns: the fake ``cat``
+        leaves a 1-D piece whose symbolic size is 0 at its example value out of the joined
+        size (torch's legacy empty tensors), and Inductor allocates that size (seen: an
+        MoE's expert ids at 1 token from a rank)."""
+        if ndim != 1:
+            return self._call(aten.cat.default, (pieces, dim), identity)
+        columns = [
+            self._call(aten.unsqueeze.default, (x, 1), (*identity, "column", i))
+            for i, x in enumerate(pieces)
+        ]
+        joined = self._call(aten.cat.default, (columns, 0), (*identity, "columns"))
+        return self._call(aten.squeeze.dim, (joined, 1), identity)
 
     def _size(self, size: int | torch.fx.Node) -> object:
         """A block size of ``Split.sizes`` in the rewritten graph."""
@@ -528,12 +593,12 @@ class _Emitter:
             ]
 
     def _cut_blocks(
-        self, whole: torch.fx.Node, node: torch.fx.Node, p: Split
+        self, whole: torch.fx.Node, node: torch.fx.Node, p: Split, role: str = "input"
     ) -> list[torch.fx.Node]:
         """Each nanobatch of input ``whole`` (the value of ``node``) in blocks, uneven or
         equal (of static rows: ``interface.cut_by_part``): chunk ``j`` of every block,
         concatenated in block order."""
-        emit = self._sizer(("input", "blocks", node))
+        emit = self._sizer((role, "blocks", node))
         if p.sizes is not None:
             sizes_of = [self._size(s) for s in p.sizes]
         else:
@@ -553,9 +618,9 @@ class _Emitter:
                     for i in (j, j + 1)
                 )
                 chunks.append(self._call(
-                    aten.slice.Tensor, (whole, p.dim, start, end), ("input", node, j, b)
+                    aten.slice.Tensor, (whole, p.dim, start, end), (role, node, j, b)
                 ))
-            pieces.append(self._call(aten.cat.default, (chunks, p.dim), ("input", node, j)))
+            pieces.append(self._cat(chunks, p.dim, (role, node, j), node.meta["val"].ndim))
         return pieces
 
     def _copy_once(self, node: torch.fx.Node) -> torch.fx.Node:
@@ -577,9 +642,12 @@ class _Emitter:
             self.whole(node)
         return new
 
-    def _slice(self, arg: torch.fx.Node, dim: int, j: int) -> torch.fx.Node:
-        """Nanobatch ``j``'s slice of whole value ``arg`` along ``dim`` (all k made at once)."""
+    def _slice(self, arg: torch.fx.Node, dim: int | Split, j: int) -> torch.fx.Node:
+        """Nanobatch ``j``'s slice of whole value ``arg`` along ``dim`` (all k made at once),
+        or its cut in the blocks of split ``dim``."""
         key = (arg, dim)
+        if key not in self.slices and isinstance(dim, Split):
+            self.slices[key] = self._cut_blocks(self.whole(arg), arg, dim, role="cut")
         if key not in self.slices:
             args = _slice_args(self.whole(arg), arg, dim, self.k, self._sizer(("slice", *key)))
             self.slices[key] = [

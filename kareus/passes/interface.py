@@ -108,8 +108,8 @@ def backward_inputs(
 def _as_input(p: NodePlacement | None, saved: dict[str, torch.fx.Node]) -> NodePlacement:
     """A forward value as the backward receives it: whole, joined from its pieces.
 
-    Split again where the forward split it along one dim (in uneven blocks or not), or
-    laid it out so; row ids stay
+    Split again where the forward split it along one dim (in uneven blocks or not, in row
+    order), or laid it out so; row ids stay
     row ids (the same value: the forward computed it once). Anything else is, to the
     backward, one full tensor used as is (replicated): a joined sum, nanobatch 0's
     attention seed (unused without dropout, which the rules refuse), a value the forward
@@ -118,6 +118,8 @@ def _as_input(p: NodePlacement | None, saved: dict[str, torch.fx.Node]) -> NodeP
     """
     if isinstance(p, Aligned):
         p = p.rows  # the very value the forward computed once, laid out like the batch
+    if isinstance(p, Split) and p.order is not None:
+        return REPLICATE  # joined into the order of the batch's sort, as the forward has it
     if isinstance(p, Split) and p.blocks == 1:
         return p
     if isinstance(p, Split) and p.sizes is not None:
@@ -157,14 +159,15 @@ def cut_by_destination(
     An MoE's dispatch sends its routed tokens in one block per destination rank, of sizes
     that differ by rank; a nanobatch's share of them is a chunk of every block
     (``Split.sizes``), not a contiguous chunk of the rows. So where an all-to-all of rows
-    from the graph's inputs, split or not, is not split, the inputs its rows come from
+    from the graph's inputs, split or not (computed once: an MoE's experts, which sort
+    them), is not split, the inputs its rows come from
     (those of as many rows) are cut by its blocks instead (the backward's tangents alike:
     its exchange back)."""
     relaid = dict(inputs)
     for node in graph.find_nodes(op="call_function", target=_ALL_TO_ALL):
-        source = node.args[0]
-        if result.placements.get(source) not in (Split(0), REPLICATE) or per_nanobatch(
-            result.placements[node]
+        source, placed = node.args[0], result.placements.get(node.args[0])
+        if per_nanobatch(result.placements[node]) or (
+            per_nanobatch(placed) and placed != Split(0)
         ):
             continue
         blocks = exchanged_blocks(arguments(node)["input_split_sizes"])
@@ -176,8 +179,8 @@ def cut_by_destination(
             if given in (Split(0), REPLICATE) and _tensor(leaf) is not None and (
                 shape(_tensor(leaf))[:1] == rows
             ):
-                kept = relaid.get(leaf, REPLICATE)
-                relaid[leaf] = blocks if kept in (Split(0), REPLICATE, blocks) else given
+                kept = relaid.get(leaf, REPLICATE)  # an earlier exchange's cut stays
+                relaid[leaf] = blocks if kept in (Split(0), REPLICATE, blocks) else kept
     return relaid
 
 

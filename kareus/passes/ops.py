@@ -173,6 +173,21 @@ def _resize_all_to_all(
     return tuple(resized)
 
 
+def _resize_inverse(
+    node: torch.fx.Node, args: tuple, p: NodePlacement, k: int, j: int, emit: Sizer
+) -> tuple:
+    """``inverse[perm] = arange(n)`` of a nanobatch's own sort (``rules.index_put``): the
+    arange's first rows, as many as the nanobatch's, written into a fresh tensor of its
+    own (not a slice of a whole one: Inductor writes an index_put into its target, and
+    the nanobatches' inverses would share it)."""
+    if not isinstance(p, rules.LocalIds):
+        return args
+    (ids,), values = args[1:3]
+    rows = emit(aten.sym_size.int, (ids, 0), "rows")
+    fresh = emit(aten.empty_like.default, (ids,), "target")
+    return (fresh, [ids], emit(aten.slice.Tensor, (values, 0, 0, rows), "arange"), *args[3:])
+
+
 # -- the table --------------------------------------------------------------------------
 
 _FREE = OpFacts(Cost.FREE)
@@ -263,7 +278,7 @@ _ENTRIES: dict[object, OpFacts] = {
     aten.embedding: OpFacts(Cost.MEMORY, rules.embedding, partial_read="weight"),
     aten.embedding_dense_backward: OpFacts(Cost.MEMORY, rules.embedding_backward),
     aten._unsafe_masked_index_put_accumulate: OpFacts(Cost.MEMORY, rules.masked_accumulate),
-    aten.index_put: OpFacts(Cost.MEMORY, rules.index_put),
+    aten.index_put: OpFacts(Cost.MEMORY, rules.index_put, _resize_inverse),
     aten.scatter_add: OpFacts(Cost.MEMORY, rules.scatter_add, aligned_operands=("src",)),
     # matmuls
     aten.mm: OpFacts(Cost.MATMUL, rules.mm),
@@ -271,6 +286,10 @@ _ENTRIES: dict[object, OpFacts] = {
     aten.bmm: OpFacts(Cost.MATMUL, rules.bmm),
     aten.baddbmm: OpFacts(Cost.MATMUL),
     aten._scaled_mm: OpFacts(Cost.MATMUL),
+    aten._grouped_mm: OpFacts(Cost.MATMUL, rules.grouped_mm),
+    # transformers' grouped matmul where aten's has no kernel (CPU), by its name: the op
+    # exists once transformers is imported
+    "transformers::grouped_mm_fallback": OpFacts(Cost.MATMUL, rules.grouped_mm),
     aten.convolution: OpFacts(Cost.CONVOLUTION),
     aten.convolution_backward: OpFacts(Cost.CONVOLUTION),
     # reductions and normalisations
@@ -293,7 +312,8 @@ _ENTRIES: dict[object, OpFacts] = {
     aten.var_mean: OpFacts(Cost.MEMORY, rules.var_mean),
     aten._softmax: OpFacts(Cost.MEMORY, rules.along_dim),
     aten._log_softmax: OpFacts(Cost.MEMORY, rules.along_dim),
-    aten.cumsum: OpFacts(Cost.MEMORY, rules.along_dim),
+    aten.cumsum: OpFacts(Cost.MEMORY, rules.cumsum),
+    aten.histc: OpFacts(Cost.MEMORY, rules.histogram),
     aten.sort: OpFacts(Cost.MEMORY, rules.sort),
     aten.div.Tensor_mode: OpFacts(Cost.MEMORY, rules.floor_divide, pointwise=True),
     aten.floor_divide: OpFacts(Cost.MEMORY, rules.floor_divide, pointwise=True),
@@ -343,6 +363,8 @@ class OpTable:
         found = self._entries.get(target)
         if found is None:
             found = self._entries.get(getattr(target, "overloadpacket", None))
+        if found is None and isinstance(target, torch._ops.OpOverload):
+            found = self._entries.get(target._schema.name)  # an op of another library
         if found is not None:
             return found
         return _from_tags(target)

@@ -9,12 +9,16 @@ Placements (DESIGN.md section 3), propagated through the graph from its inputs:
   one per rank of an all-to-all (an MoE's tokens by destination or by source), and
   chunk ``i`` of a block of ``s`` rows is rows ``i * s // k`` to ``(i + 1) * s // k``:
   a rank and its peer cut the block they exchange alike, from the size both know.
+  With ``order`` the rows of each nanobatch are in the order its own sort gave them (an
+  MoE's experts, run per nanobatch on the tokens it received, grouped by expert).
 - ``Replicate()``: one value that does not depend on the batch (parameters, constants),
   used as is by every nanobatch.
 - ``Partial()``: one contribution per nanobatch; the value is their sum (a contraction
   over the split dim: weight gradients, losses).
 - ``Local()``: one value per nanobatch without a batch dim (an attention kernel's seed);
   usable by the same nanobatch only.
+- ``LocalIds(rows, order, inverse)``: per nanobatch, ids of its own rows (its sort's
+  indices, or their inverse): they reorder its rows into the sort's order and back.
 - ``Whole(reason)``: computed once from the whole batch. An op without a rule, or whose
   inputs a rule cannot keep split, becomes such a barrier: its split inputs are joined
   (concatenated, or summed) first, so the result is always right, and ``reason`` (a
@@ -30,7 +34,9 @@ post-AOT graphs of Llama-family models as torchtitan and Hugging Face write them
 tensor, sequence and loss parallelism, all-gathers of blocked values and slices of their
 blocks (context parallelism's keys and values), and all-to-alls whose split sizes every rank
 knows (sequence parallelism over heads, a ring's shift) or whose rows are laid out by
-destination (an MoE's token exchange, its sizes token counts: ``Split.sizes``).
+destination (an MoE's token exchange, its sizes token counts: ``Split.sizes``), and the
+experts between an MoE's exchanges, each nanobatch sorting, grouping and multiplying the
+tokens it received (``Split.order``, ``LocalIds``).
 """
 
 from __future__ import annotations
@@ -60,6 +66,11 @@ class Split:
     sizes: tuple[int | torch.fx.Node, ...] | None = None
     """Uneven blocks: the rows of each, as the graph spells them (an int, or the node of a
     symbolic size); each block is cut at ``j * size // k`` (``blocks == len(sizes)``)."""
+    order: str | None = None
+    """Rows in uneven blocks that each nanobatch sorted itself: its rows, in the order of
+    the sort of that name (an MoE's experts grouping their tokens). Row-wise ops keep it;
+    ops that read rows by position refuse it; its pieces are joined by gathering them into
+    the order of the whole batch's sort."""
 
 
 @dataclass(frozen=True)
@@ -98,7 +109,19 @@ class Aligned(Whole):
     rows: Split
 
 
-Placement = Split | Replicate | Partial | Local | Whole
+@dataclass(frozen=True)
+class LocalIds:
+    """Per nanobatch, ids of its own rows of ``rows`` (0 to its rows), from the sort
+    ``order`` of them: ``inverse=False``, the row at each sorted place (the sort's indices);
+    ``inverse=True``, each row's sorted place. Joined by computing them again on the whole
+    batch (the graph's own sort)."""
+
+    rows: Split
+    order: str
+    inverse: bool = False
+
+
+Placement = Split | Replicate | Partial | Local | LocalIds | Whole
 NodePlacement = Placement | tuple[Placement, ...]
 
 REPLICATE = Replicate()
@@ -123,7 +146,7 @@ def per_nanobatch(p: NodePlacement) -> bool:
     """Whether a node with this placement runs once per nanobatch."""
     if isinstance(p, tuple):
         return any(per_nanobatch(q) for q in p)
-    return isinstance(p, (Split, Partial, Local))
+    return isinstance(p, (Split, Partial, Local, LocalIds))
 
 
 @dataclass(frozen=True)
@@ -416,10 +439,11 @@ def _reshaped(p: Split, src: Sequence[int], dst: Sequence[int], k: int) -> Split
     Chunk ``i`` of the split dim is a contiguous chunk of its group only if the dims
     before it in the group are 1; it is chunk ``i`` of the group's first non-1 output dim
     if that dim divides by ``k`` (by ``blocks * k`` for a blocked split). Rows in uneven
-    blocks are not followed through a reshape (the rewrite would spell a piece's rows).
+    blocks are followed only through a reshape that leaves them alone (the rewrite would
+    spell a piece's rows).
     """
     if p.sizes is not None:
-        return _along_split_dim("reshape of rows cut in uneven per-rank blocks")
+        return _blocked_reshape(p, src, dst)
     i = j = 0
     while i < len(src) or j < len(dst):
         gi, gj = [i], [j]
@@ -455,6 +479,18 @@ def _reshaped(p: Split, src: Sequence[int], dst: Sequence[int], k: int) -> Split
             return replace(p, dim=lead)
         i, j = gi[-1] + 1, gj[-1] + 1
     raise AssertionError(f"split dim {p.dim} outside a reshape of {src} to {dst}")
+
+
+def _blocked_reshape(p: Split, src: Sequence[Size], dst: Sequence[Size]) -> Split | Reason:
+    """Rows in uneven blocks through a reshape that leaves them alone: the dims before and
+    including the split one kept as they are, the inner ones regrouped (a unit dim added
+    or removed), so the rewrite spells the rows -1."""
+    dims = p.dim + 1
+    if tuple(src[:dims]) != tuple(dst[:dims]) or any(sizes.symbolic(d) for d in src[dims:]) or (
+        any(sizes.symbolic(d) for d in dst[dims:])
+    ):
+        return _along_split_dim("reshape of rows cut in uneven per-rank blocks")
+    return p
 
 
 def _symbolic_reshape(p: Split, src: SymbolicSize, lead: Size, dim: int) -> Split | Reason:
@@ -751,6 +787,8 @@ def index(ctx: RuleContext) -> NodePlacement | Reason:
     p = _input(ctx)
     indices = list(ctx.arg("indices"))
     used = [d for d, i in enumerate(indices) if i is not None]
+    if used == [0] and isinstance(ids := ctx.pl(indices[0]), LocalIds):
+        return _by_local_ids(p, ids)
     if isinstance(p, Replicate) and used == [0] and isinstance(ctx.pl(indices[0]), Split):
         return ctx.pl(indices[0])  # rows of a whole value picked by split ids
     if not isinstance(p, Split) or any(not isinstance(ctx.pl(indices[d]), Replicate) for d in used):
@@ -763,6 +801,24 @@ def index(ctx: RuleContext) -> NodePlacement | Reason:
         return p
     index_ndim = max(len(_shape_of(indices[d])) for d in used)
     return replace(p, dim=p.dim - len(used) + index_ndim)
+
+
+def _by_local_ids(p: NodePlacement, ids: LocalIds) -> NodePlacement | Reason:
+    """A nanobatch's rows picked by its own ids: into the order of their sort (by its
+    indices; of a whole value, its rows cut like the nanobatch's), or back into row order
+    (by their inverse)."""
+    rows, ordered = replace(ids.rows, order=None), replace(ids.rows, order=ids.order)
+    if isinstance(p, Replicate) and not ids.inverse:
+        # a whole value indexed by the batch's row ids pairs its rows with the batch's:
+        # each nanobatch picks from its own rows of it (the rewrite cuts it in the blocks)
+        return ordered
+    if not isinstance(p, Split) or p.dim != 0:
+        return _operands_split_apart("rows picked by a nanobatch's ids, of a value not its rows")
+    if not ids.inverse and replace(p, order=None) == rows:
+        return replace(p, order=ids.order)
+    if ids.inverse and p == ordered:
+        return rows
+    return _operands_split_apart("rows picked by a nanobatch's ids in another order")
 
 
 # -- matmuls, reductions, normalisations ------------------------------------------------
@@ -807,13 +863,38 @@ def _matmul(
         isinstance(a, Split)
         and isinstance(b, Split)
         and (a.dim, b.dim) == (col, row)
-        and (a.blocks, a.sizes) == (b.blocks, b.sizes)
+        and replace(a, dim=0) == replace(b, dim=0)
     ):
         return PARTIAL
     if (isinstance(a, Partial) and rep_b) or (rep_a and isinstance(b, Partial)):
         return PARTIAL
     kind = ReasonKind.PARTIAL_SUM if PARTIAL in (a, b) else ReasonKind.OPERANDS_SPLIT_APART
     return Reason(kind, None, f"matmul of {a} and {b}")
+
+
+def grouped_mm(ctx: RuleContext) -> NodePlacement | Reason:
+    """Rows grouped by expert times each expert's weight (``offs``: where each group ends).
+    A nanobatch's rows in the order of its own sort, grouped by the counts it made of them
+    (a partial sum computed from that sort), are multiplied alone."""
+    weight = ctx.arg("weight", ctx.arg("mat2"))  # transformers' name, aten's
+    x, w, offs = (ctx.pl(a) for a in (ctx.arg("input"), weight, ctx.arg("offs")))
+    if isinstance(x, Split) and x.order and isinstance(w, Replicate) and isinstance(
+        offs, Partial
+    ) and isinstance(ctx.pl(ctx.arg("bias")), Replicate) and (
+        x.order in _ancestor_names(ctx.arg("offs"))
+    ):
+        return x
+    return _operands_split_apart("grouped matmul other than of a nanobatch's sorted rows")
+
+
+def _ancestor_names(node: object) -> set[str]:
+    seen, stack = set(), [node] if isinstance(node, torch.fx.Node) else []
+    while stack:
+        n = stack.pop()
+        if n.name not in seen:
+            seen.add(n.name)
+            stack.extend(n.all_input_nodes)
+    return seen
 
 
 def _reduced_dims(ctx: RuleContext) -> list[int]:
@@ -861,11 +942,30 @@ def along_dim(ctx: RuleContext) -> NodePlacement | Reason:
     return (p,) * len(ctx.out) if isinstance(ctx.out, (tuple, list)) else p
 
 
+def cumsum(ctx: RuleContext) -> NodePlacement | Reason:
+    """A running sum is linear: of a partial sum (counts per expert), a partial sum."""
+    return PARTIAL if isinstance(_input(ctx), Partial) else along_dim(ctx)
+
+
+def histogram(ctx: RuleContext) -> NodePlacement | Reason:
+    """Counts of values in given bins: of a split value, each nanobatch's counts add up to
+    the batch's, in any order of its elements (an MoE counting its tokens per expert)."""
+    p = _input(ctx)
+    if not ctx.arg("min", 0) < ctx.arg("max", 0):
+        return _unsupported_form("histogram over the range of its data (min == max)")
+    return PARTIAL if isinstance(p, Split) else _unsplit(p, "histogram")
+
+
 def sort(ctx: RuleContext) -> NodePlacement | Reason:
     """Sorting along the split dim mixes the batch: computed once. Its indices, for a 1-D
     value split along it (an MoE sorting its tokens' slots by expert), are row ids: where
     each sorted element came from, which lets its rows be put back in batch order."""
-    result, shape = along_dim(ctx), _shape_of(ctx.arg("input"))
+    result, shape, p = along_dim(ctx), _shape_of(ctx.arg("input")), _input(ctx)
+    if isinstance(p, Split) and p.sizes is not None and p.order is None and len(shape) == 1:
+        # Rows exchanged in per-rank blocks (an MoE's received tokens): every nanobatch
+        # sorts its own, so that it runs its experts on them alone.
+        name = ctx.node.name
+        return replace(p, order=name), LocalIds(p, name)
     if (
         isinstance(result, Reason)
         and result.kind is ReasonKind.ALONG_SPLIT_DIM
@@ -881,6 +981,12 @@ def floor_divide(ctx: RuleContext) -> NodePlacement | Reason:
     """Row ids floor-divided by ``c``: the ids of groups of ``c`` rows (the token of a top-k
     slot), rows of a split dim too where no group spans two nanobatches."""
     ids, divisor = ctx.whole(ctx.arg("input")), ctx.arg("other")
+    local = ctx.pl(ctx.arg("input"))
+    if isinstance(local, LocalIds) and not local.inverse:
+        # one row per group (an expert-parallel MoE's received slots): the same ids
+        if divisor == 1 and ctx.arg("rounding_mode", "floor") == "floor":
+            return local
+        return _unsupported_form("groups of a nanobatch's own rows")
     if (
         isinstance(ids, RowIds)
         and ctx.arg("rounding_mode", "floor") == "floor"
@@ -994,10 +1100,10 @@ def embedding_backward(ctx: RuleContext) -> NodePlacement | Reason:
 
 def fill_like(ctx: RuleContext) -> NodePlacement:
     """``zeros_like`` and kin: the shape of ``input``, none of its data. A fill of a split
-    value is one of each piece; of anything else (a partial sum: the whole value's shape),
-    one value for all."""
+    value (or of a nanobatch's ids) is one of each piece; of anything else (a partial sum:
+    the whole value's shape), one value for all."""
     p = _input(ctx)
-    return p if isinstance(p, Split) else REPLICATE
+    return p if isinstance(p, (Split, LocalIds)) else REPLICATE
 
 
 def copy_into(ctx: RuleContext) -> NodePlacement | Reason:
@@ -1087,6 +1193,59 @@ def _scatter_to_rows(
     return Aligned(ids.reason, Split(0))
 
 
+def _inverse_ids(
+    ctx: RuleContext, base: object, ids: LocalIds, values: object
+) -> NodePlacement | Reason:
+    """``inverse[perm] = arange(n)`` in a fresh tensor: each nanobatch inverts its own
+    sort's indices (``ops._resize_inverse`` cuts a whole tensor and the arange to its
+    rows)."""
+    fresh = isinstance(base, torch.fx.Node) and (
+        ctx.pl(base) == ids
+        or isinstance(ctx.pl(base), Replicate) and base.target in _ALLOCATIONS
+    )
+    if (
+        not ids.inverse
+        and fresh
+        and _counts_up(values)
+        and isinstance(ctx.pl(values), Replicate)
+        and not ctx.arg("accumulate", False)
+    ):
+        return replace(ids, inverse=True)
+    return _unsupported_form("index_put by a nanobatch's ids other than its sort's inverse")
+
+
+_ALLOCATIONS = frozenset({aten.empty.memory_format, aten.empty_like.default})
+
+
+def _counts_up(node: object) -> bool:
+    """Whether ``node`` is 0, 1, 2, ... (``arange(n)``, or its decomposition ``iota``)."""
+    if not isinstance(node, torch.fx.Node):
+        return False
+    if node.target is aten.arange.default:
+        return True
+    return node.target is torch.ops.prims.iota.default and (
+        node.kwargs.get("start"), node.kwargs.get("step")
+    ) == (0, 1)
+
+
+def _scatter_of_joined(ctx: RuleContext, base: object, ids: object, values: object) -> bool:
+    """Split values written once each into a fresh tensor of as many rows, at whole ids
+    (the token slots an MoE's combine puts its received outputs back in): computed once,
+    on the joined values, and laid out like the batch after (``Aligned``)."""
+    rows = _shape_of(base)[:1]
+    return (
+        isinstance(base, torch.fx.Node)
+        and base.target in _ALLOCATIONS
+        and isinstance(ctx.pl(ids), Replicate)
+        and _shape_of(ids) == rows
+        and not ids.meta["val"].is_floating_point()
+        and ids.meta["val"].dtype is not torch.bool
+        and isinstance(ctx.pl(values), Split)
+        and _shape_of(values)[:1] == rows
+        and not ctx.arg("accumulate", False)
+    )
+
+
 def index_put(ctx: RuleContext) -> NodePlacement | Reason:
     """``x[mask] = value`` with a boolean mask split like ``x`` and a replicated value; or
     a scatter-add of the batch into zeros."""
@@ -1094,6 +1253,11 @@ def index_put(ctx: RuleContext) -> NodePlacement | Reason:
     ids = ctx.whole(indices[0]) if len(indices) == 1 else None
     if isinstance(ids, RowIds):
         return _scatter_to_rows(ctx, x, ids, values)
+    if len(indices) == 1 and isinstance(local := ctx.pl(indices[0]), LocalIds):
+        return _inverse_ids(ctx, x, local, values)
+    if len(indices) == 1 and _scatter_of_joined(ctx, x, indices[0], values):
+        joined = _along_split_dim("scatter by whole ids, once on the joined values")
+        return Aligned(replace(joined, node=ctx.node.name), Split(0))
     if ctx.arg("accumulate", False):
         return _accumulate_into_zeros(ctx, x, [*indices, values])
     p = ctx.pl(x)
@@ -1113,6 +1277,8 @@ def index_put(ctx: RuleContext) -> NodePlacement | Reason:
 
 def all_reduce(ctx: RuleContext) -> NodePlacement | Reason:
     p = _input(ctx)
+    if isinstance(p, Split) and p.order:
+        return _along_split_dim("all-reduce of rows in a nanobatch's own order")
     if isinstance(p, Partial) and ctx.arg("reduce_op") != "sum":
         return _partial_sum("all-reduce of a partial sum with an op other than sum")
     return p if isinstance(p, Split) else _replicate_or_partial(p)
@@ -1173,6 +1339,8 @@ def all_to_all(ctx: RuleContext) -> NodePlacement | Reason:
     p, raw = _input(ctx), arguments(ctx.node)
     if not isinstance(p, Split):
         return _replicate_or_partial(p)
+    if p.order:
+        return _along_split_dim("all-to-all of rows in a nanobatch's own order")
     if p.dim != 0:
         return p
     if p.sizes is not None:
