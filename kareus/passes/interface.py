@@ -29,6 +29,7 @@ from kareus.passes.placement import (
     RowIds,
     RuleTable,
     Split,
+    ancestors,
     exchanged_blocks,
     in_blocks,
     per_nanobatch,
@@ -172,7 +173,8 @@ def cut_by_destination(
             continue
         blocks = exchanged_blocks(arguments(node)["input_split_sizes"])
         rows = shape(_tensor(source))[:1]
-        for leaf in _placeholders_of(source) if isinstance(blocks, Split) else ():
+        leaves = [n for n in ancestors(source) if n.op == "placeholder"]
+        for leaf in leaves if isinstance(blocks, Split) else ():
             # Any cut of an input is exact where every value is cut alike: a tangent the
             # backward knows nothing of (replicated) is cut by destination as well.
             given = inputs.get(leaf, REPLICATE)
@@ -207,7 +209,7 @@ def cut_by_part(
             isinstance(rows, int) and all(parts * shape(o)[0] == rows for o in node.meta["val"])
         ):
             continue
-        for leaf in _placeholders_of(source):
+        for leaf in (n for n in ancestors(source) if n.op == "placeholder"):
             if inputs.get(leaf) == Split(0) and shape(_tensor(leaf))[:1] == (rows,):
                 relaid[leaf] = Split(0, parts)
     return relaid
@@ -228,19 +230,6 @@ def by_exchanges_only(
         n: p for n, p in inputs.items()
         if not (isinstance(p, Split) and p.sizes is None)
     }
-
-
-def _placeholders_of(node: torch.fx.Node) -> list[torch.fx.Node]:
-    seen, stack, found = set(), [node], []
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op == "placeholder":
-            found.append(n)
-        stack.extend(n.all_input_nodes)
-    return found
 
 
 def _split_count(result: PlacementResult, collectives: Sequence[Collective]) -> int:

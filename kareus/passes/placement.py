@@ -881,20 +881,22 @@ def grouped_mm(ctx: RuleContext) -> NodePlacement | Reason:
     if isinstance(x, Split) and x.order and isinstance(w, Replicate) and isinstance(
         offs, Partial
     ) and isinstance(ctx.pl(ctx.arg("bias")), Replicate) and (
-        x.order in _ancestor_names(ctx.arg("offs"))
+        x.order in {n.name for n in ancestors(ctx.arg("offs"))}
     ):
         return x
     return _operands_split_apart("grouped matmul other than of a nanobatch's sorted rows")
 
 
-def _ancestor_names(node: object) -> set[str]:
-    seen, stack = set(), [node] if isinstance(node, torch.fx.Node) else []
+def ancestors(node: object) -> list[torch.fx.Node]:
+    """``node`` (a node, else nothing) and every node it is computed from, each once."""
+    seen, stack, found = set(), [node] if isinstance(node, torch.fx.Node) else [], []
     while stack:
         n = stack.pop()
-        if n.name not in seen:
-            seen.add(n.name)
+        if n not in seen:
+            seen.add(n)
+            found.append(n)
             stack.extend(n.all_input_nodes)
-    return seen
+    return found
 
 
 def _reduced_dims(ctx: RuleContext) -> list[int]:
