@@ -4,7 +4,8 @@ For every op a pass may meet: whether it launches a kernel and its cost class (f
 memory-bound, or heavy: matmul / attention / convolution), whether it is pointwise or
 random, its placement rule (``placement.py``), how its arguments resize to one nanobatch,
 which of its operands are laid out like its output (per-sample masks), which input a
-gather reads only in part, and which operands it reads only the shape of (fills).
+gather reads only in part, which operands it reads only the shape of (fills), and whether
+Inductor runs it as a kernel that allocates its own output (a concatenation copies it).
 Partitioning (slots, keys), placement, the rewrite and the simulated GPU all read this
 table, so adding an op is one entry here. Each is given the table (``OP_TABLE`` unless a
 caller passes another, ``OpTable.with_entries``); the analysis keeps the one it used.
@@ -12,7 +13,8 @@ caller passes another, ``OpTable.with_entries``); the analysis keeps the one it 
 Ops missing from the table get facts from their ATen tags and schema: ``pointwise`` ops
 follow the broadcasting rule, ``nondeterministic_seeded`` ops are random (they end a split
 region fed by split values), ops whose results all alias an input are free views (without
-a placement rule), everything else is a memory-bound kernel without a rule.
+a placement rule), everything else is a memory-bound kernel without a rule (another
+library's op allocates its own output: Inductor falls back to it).
 """
 
 from __future__ import annotations
@@ -77,6 +79,12 @@ class OpFacts:
     aligned_operands: tuple[str, ...] = ()
     partial_read: str | None = None  # a gather reads of this input only the rows it returns
     shape_only: tuple[str, ...] = ()  # operands it reads the shape of, not the data
+    # Inductor runs it as a kernel that allocates its own output (a fallback to ATen, or an
+    # extern kernel of fixed layout), so a concatenation copies that output into its own
+    # buffer. Kernels Inductor generates and its matmuls (``extern_kernels.mm(..., out=)``)
+    # write into a slice of the concatenation's buffer instead (torch/_inductor/ir.py,
+    # ``ConcatKernel.can_realize_into_without_copy``: a flexible layout, no ExternKernelAlloc).
+    allocates_output: bool = False
 
     @property
     def launches_kernel(self) -> bool:
@@ -203,12 +211,19 @@ def _attention(batched: tuple[str, ...], outputs: str, mask: str | None = None) 
         Cost.ATTENTION,
         rules.AttentionKernel(batched, kinds, mask),
         aligned_operands=(mask,) if mask else (),
+        allocates_output=True,  # an ATen fallback in Inductor
     )
 
 
 _QKV = ("query", "key", "value")
 _QKV_BWD = ("grad_out", "query", "key", "value", "out", "logsumexp")
 
+# ``allocates_output``: the ops Inductor (torch 2.13) falls back to ATen for or lowers to an
+# extern kernel of fixed layout: attention; histc and _grouped_mm (lowering.py
+# ``make_fallback``; on CUDA kernel/mm_grouped.py ``grouped_mm_args`` gives a FixedLayout);
+# topk (a fallback unless config.triton.decompose_sort_ops); convolutions (kernel/conv.py
+# ``conv_layout``: FixedLayout); collectives (fallback kernels writing the buffer they
+# reduce into); other libraries' ops (``_from_tags``).
 _ENTRIES: dict[object, OpFacts] = {
     operator.getitem: _FREE,
     # identity-like
@@ -268,8 +283,10 @@ _ENTRIES: dict[object, OpFacts] = {
             aten.fill_.Scalar,
         )
     },
-    aten.cat: OpFacts(Cost.MEMORY, rules.cat),
-    aten.stack: OpFacts(Cost.MEMORY, rules.stack),
+    # Inductor's ConcatKernel allocates a buffer of fixed layout for its inputs to be
+    # written into (ir.py ``ConcatKernel.create``): a concatenation of it copies it
+    aten.cat: OpFacts(Cost.MEMORY, rules.cat, allocates_output=True),
+    aten.stack: OpFacts(Cost.MEMORY, rules.stack, allocates_output=True),  # a cat, lowered
     aten.constant_pad_nd: OpFacts(Cost.MEMORY, rules.constant_pad),
     # indexing
     aten.gather: OpFacts(Cost.MEMORY, rules.gather, partial_read="input"),
@@ -286,12 +303,14 @@ _ENTRIES: dict[object, OpFacts] = {
     aten.bmm: OpFacts(Cost.MATMUL, rules.bmm),
     aten.baddbmm: OpFacts(Cost.MATMUL),
     aten._scaled_mm: OpFacts(Cost.MATMUL),
-    aten._grouped_mm: OpFacts(Cost.MATMUL, rules.grouped_mm),
+    aten._grouped_mm: OpFacts(Cost.MATMUL, rules.grouped_mm, allocates_output=True),
     # transformers' grouped matmul where aten's has no kernel (CPU), by its name: the op
     # exists once transformers is imported
-    "transformers::grouped_mm_fallback": OpFacts(Cost.MATMUL, rules.grouped_mm),
-    aten.convolution: OpFacts(Cost.CONVOLUTION),
-    aten.convolution_backward: OpFacts(Cost.CONVOLUTION),
+    "transformers::grouped_mm_fallback": OpFacts(
+        Cost.MATMUL, rules.grouped_mm, allocates_output=True
+    ),
+    aten.convolution: OpFacts(Cost.CONVOLUTION, allocates_output=True),
+    aten.convolution_backward: OpFacts(Cost.CONVOLUTION, allocates_output=True),
     # reductions and normalisations
     aten.sum: OpFacts(Cost.MEMORY, rules.sum_),
     **{
@@ -313,11 +332,11 @@ _ENTRIES: dict[object, OpFacts] = {
     aten._softmax: OpFacts(Cost.MEMORY, rules.along_dim),
     aten._log_softmax: OpFacts(Cost.MEMORY, rules.along_dim),
     aten.cumsum: OpFacts(Cost.MEMORY, rules.cumsum),
-    aten.histc: OpFacts(Cost.MEMORY, rules.histogram),
+    aten.histc: OpFacts(Cost.MEMORY, rules.histogram, allocates_output=True),
     aten.sort: OpFacts(Cost.MEMORY, rules.sort),
     aten.div.Tensor_mode: OpFacts(Cost.MEMORY, rules.floor_divide, pointwise=True),
     aten.floor_divide: OpFacts(Cost.MEMORY, rules.floor_divide, pointwise=True),
-    aten.topk: OpFacts(Cost.MEMORY, rules.along_dim),
+    aten.topk: OpFacts(Cost.MEMORY, rules.along_dim, allocates_output=True),
     aten._softmax_backward_data: OpFacts(Cost.MEMORY, rules.softmax_backward),
     aten._log_softmax_backward_data: OpFacts(Cost.MEMORY, rules.softmax_backward),
     aten.nll_loss_forward: OpFacts(Cost.MEMORY, rules.nll_loss),
@@ -341,15 +360,24 @@ _ENTRIES: dict[object, OpFacts] = {
     aten._scaled_dot_product_fused_attention_overrideable_backward: _attention(
         _QKV_BWD, "sssl", "attn_bias"
     ),
-    aten._flash_attention_forward: OpFacts(Cost.ATTENTION),
-    aten._flash_attention_backward: OpFacts(Cost.ATTENTION),
-    aten._efficient_attention_forward: OpFacts(Cost.ATTENTION),
-    aten._efficient_attention_backward: OpFacts(Cost.ATTENTION),
+    **{
+        op: OpFacts(Cost.ATTENTION, allocates_output=True)
+        for op in (
+            aten._flash_attention_forward,
+            aten._flash_attention_backward,
+            aten._efficient_attention_forward,
+            aten._efficient_attention_backward,
+        )
+    },
     # collectives
-    c10d.all_reduce: OpFacts(Cost.MEMORY, rules.all_reduce),
-    c10d.all_gather_into_tensor: OpFacts(Cost.MEMORY, rules.all_gather),
-    c10d.reduce_scatter_tensor: OpFacts(Cost.MEMORY, rules.reduce_scatter),
-    c10d.all_to_all_single: OpFacts(Cost.MEMORY, rules.all_to_all, _resize_all_to_all),
+    c10d.all_reduce: OpFacts(Cost.MEMORY, rules.all_reduce, allocates_output=True),
+    c10d.all_gather_into_tensor: OpFacts(Cost.MEMORY, rules.all_gather, allocates_output=True),
+    c10d.reduce_scatter_tensor: OpFacts(
+        Cost.MEMORY, rules.reduce_scatter, allocates_output=True
+    ),
+    c10d.all_to_all_single: OpFacts(
+        Cost.MEMORY, rules.all_to_all, _resize_all_to_all, allocates_output=True
+    ),
 }
 
 
@@ -393,7 +421,9 @@ def _from_tags(target: object) -> OpFacts:
     returns = target._schema.returns
     if returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns):
         return _FREE
-    return OpFacts()
+    # Inductor lowers aten and prims ops (or decomposes them); another library's op is a
+    # fallback kernel that allocates its output.
+    return OpFacts(allocates_output=target.namespace not in ("aten", "prims"))
 
 
 OP_TABLE = OpTable(_ENTRIES)

@@ -241,6 +241,24 @@ def test_sweep_equals_measure_at_each_clock_and_costs_the_graph_once(monkeypatch
         assert sweep[mhz] == gpu.measure(work, mhz)
 
 
+def test_isolated_kernel_times_are_each_kernel_timed_alone(group):
+    """What a breakdown subtracts from the timeline's compute time: each kernel's timeline
+    with nothing else in the graph, not its time beside the all-reduce it overlaps here."""
+    gpu = SimulatedGPU(A100)
+    gm = beside(group, GiB, lambda a, b: torch.mm(a, b).relu(), (4096, 4096), (4096, 4096))
+    cost = graph_cost(gm, world_size=8)
+    isolated = gpu.isolated_kernel_s(cost, 900)  # under the power limit
+    assert [k.kind for k in cost.kernels] == [KernelClass.GEMM, KernelClass.MEMORY]
+    assert len(isolated) == len(cost.kernels)
+    for kernel, seconds in zip(cost.kernels, isolated, strict=True):
+        alone = gpu.sweep(simulated.GraphCost((kernel,), (), ((Step.COMPUTE, 0),)), (900,))
+        assert alone[900].details["power_limited_mhz"] == 0
+        assert seconds == pytest.approx(alone[900].time_s, rel=1e-12)
+    beside_comm = gpu.sweep(cost, (900,))[900].details["compute_s"]
+    assert beside_comm > sum(isolated) * 1.05  # the GEMM lost SMs to the all-reduce
+    assert gpu.isolated_kernel_s(Workload("w", gm, world_size=8), 900) == isolated
+
+
 def test_estimate_is_the_measurement_at_the_default_clock(group):
     gpu, gm = SimulatedGPU(A100), beside(group, GiB, torch.mm, (4096, 4096), (4096, 4096))
     assert gpu.estimate(gm, 8) == gpu.measure(Workload("any", gm, world_size=8), 1410)
@@ -286,6 +304,48 @@ def test_fusion_stops_at_heavy_kernels_and_keeps_what_escapes():
     assert (before.read_bytes, before.write_bytes) == (tile, tile)
     # sigmoid, sum and add: reads mm's output and h; writes the result only.
     assert (after.read_bytes, after.write_bytes) == (2 * tile, tile)
+
+
+def test_a_concatenation_copies_only_what_inductor_copies():
+    """Matmuls and generated kernels write straight into the output's slices (nothing to
+    copy: no kernel); an attention output, a graph input or a view is copied (read and
+    written). tests/devices/test_inductor_cat.py checks these against Inductor."""
+    shape, tile = (256, 256), 256 * 256 * 2
+    joined = graph_cost(trace(lambda a, b, c: torch.cat([a @ b, c @ b]), shape, shape, shape))
+    assert [k.kind for k in joined.kernels] == [KernelClass.GEMM] * 2
+    gpu = SimulatedGPU(A100)
+    alone = graph_cost(trace(lambda a, b, c: (a @ b, c @ b), shape, shape, shape))
+    assert gpu.sweep(joined, (1410,)) == gpu.sweep(alone, (1410,))
+
+    def attention(q, k, v):
+        return torch.cat([F.scaled_dot_product_attention(q, k, v), q.sin()], 2)
+
+    qkv = (1, 4, 256, 64)
+    copy = graph_cost(trace(attention, qkv, qkv, qkv)).kernels[-1]
+    # the attention output copied (read and written); sin reads q and writes its slice
+    assert (copy.read_bytes, copy.write_bytes) == (2 * tile, 2 * tile)
+
+    def mixed(a, b, x):
+        return torch.cat([a @ b, x.sin(), x.t()])
+
+    fused = graph_cost(trace(mixed, shape, shape, shape)).kernels[-1]
+    assert (fused.read_bytes, fused.write_bytes) == (tile, 2 * tile)  # x once; sin, x.t()
+    (pieces,) = graph_cost(trace(lambda x: torch.cat(x.split(64, 1)[::-1], 1), shape)).kernels
+    assert (pieces.read_bytes, pieces.write_bytes) == (tile, tile)  # every piece of x
+    eager = graph_cost(trace(mixed, shape, shape, shape), fuse=False).kernels[-1]
+    assert (eager.read_bytes, eager.write_bytes) == (3 * tile, 3 * tile)  # aten.cat copies
+
+
+def test_a_concatenation_read_by_the_kernels_it_fuses_with_reads_its_matmul_input():
+    """A matmul written into the slice is read by the pointwise kernel that uses the
+    concatenation (as Inductor's pointwise cat on CUDA reads it)."""
+    def fn(a, b, x):
+        return torch.cat([a @ b, x.sin()]) * 2
+
+    cost = graph_cost(trace(fn, (256, 256), (256, 256), (256, 256)))
+    tile = 256 * 256 * 2
+    fused = cost.kernels[-1]
+    assert (fused.read_bytes, fused.write_bytes) == (2 * tile, 2 * tile)
 
 
 def test_matmul_flops_and_dtype_rate():
@@ -351,7 +411,44 @@ def test_grouped_query_attention_counts_the_work_of_every_query_head():
 
     both = graph_cost(trace(backward, (1, 8, 256, 64), (1, 2, 256, 64), (1, 2, 256, 64)))
     bwd = next(k for k in both.kernels if k.kind is KernelClass.ATTENTION_BWD)
-    assert bwd.grid == (2, 256)  # only the count is widened: the grid walks the keys' heads
+    assert bwd.grid == (8, 256)  # FlashAttention-2 launches key blocks of every query head
+
+
+def gqa_backward(batch: int, heads: int, kv_heads: int, seq: int) -> torch.fx.GraphModule:
+    """The attention backward of grouped-query attention (a given output gradient)."""
+
+    def backward(q, k, v, grad):
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        with torch.enable_grad():
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            return torch.autograd.grad(out, (q, k, v), grad)
+
+    q, kv = (batch, heads, seq, 128), (batch, kv_heads, seq, 128)
+    return trace(backward, q, kv, kv, q)
+
+
+def test_grouped_query_attention_backward_runs_as_flash_attention_2_launches_it():
+    """FlashAttention-2's mha_bwd runs the grouped-query backward over every query head,
+    dk and dv per query head, then sums each group of them (two reductions): the kernel
+    takes as long as multi-head attention's with as many key/value heads as query heads."""
+    gpu = SimulatedGPU("sim:h200")
+    grouped, full = (graph_cost(gqa_backward(1, 8, kv, 1024)) for kv in (1, 8))
+    kernel = {c: next(k for k in cost.kernels if k.kind is KernelClass.ATTENTION_BWD)
+              for c, cost in (("grouped", grouped), ("full", full))}
+    assert kernel["grouped"].grid == kernel["full"].grid == (8, 1024)
+    assert kernel["grouped"].write_bytes == kernel["full"].write_bytes  # dk, dv expanded
+    dkv = 1024 * 128 * 2  # one key/value head's dk (dv) in bf16
+    sums = [k for k in grouped.kernels if k.name.endswith(("sum_dk", "sum_dv"))]
+    assert [(k.read_bytes, k.write_bytes) for k in sums] == [(8 * dkv, dkv)] * 2
+    assert not any(k.name.endswith("sum_dk") for k in full.kernels)
+
+    def seconds(cost, which):
+        evaluator = simulated._Evaluator(gpu.spec, cost, {})
+        return evaluator.rates(cost.kernels.index(kernel[which]), None, 1980).kernel_s
+
+    # 8 query heads x 8 key blocks: 64 CTAs, one wave on 132 SMs (the key/value head's 8
+    # CTAs alone would take 8 times as long)
+    assert seconds(grouped, "grouped") == seconds(full, "full")
 
 
 def test_collective_group_sizes(group):

@@ -235,13 +235,13 @@ def test_a_plan_for_another_device_or_model_version_is_refused(gpu):
     with pytest.raises(PlanError) as info:
         plan.check_device(SimulatedGPU("sim:h200"), "p.json")
     assert str(info.value) == (
-        "p.json: the plan was made on sim:a100-sxm4-40gb (model sim-gpu-2 sim:a100-sxm4-40gb), "
-        "this is sim:h200 (model sim-gpu-2 sim:h200); make a new plan on this device (drop the "
+        "p.json: the plan was made on sim:a100-sxm4-40gb (model sim-gpu-3 sim:a100-sxm4-40gb), "
+        "this is sim:h200 (model sim-gpu-3 sim:h200); make a new plan on this device (drop the "
         "plan option)"
     )
     older = dataclasses.replace(plan, model_version="sim-gpu-1 sim:a100-sxm4-40gb")
     with pytest.raises(PlanError, match=r"made on sim:a100-sxm4-40gb \(model sim-gpu-1 "
-                       r"sim:a100-sxm4-40gb\), this is sim:a100-sxm4-40gb \(model sim-gpu-2 "):
+                       r"sim:a100-sxm4-40gb\), this is sim:a100-sxm4-40gb \(model sim-gpu-3 "):
         older.check_device(gpu, "p.json")
 
 

@@ -142,7 +142,7 @@ def test_the_plan_option_runs_a_saved_plan_and_refuses_one_for_other_graphs(
         kareus.KareusBackend({"plan": str(tmp_path / "bad.json")})
     # checked against the device, the options and each graph's space before a graph runs
     with pytest.raises(Exception, match=r"plan.json: the plan was made on sim:h200 \(model "
-                       r"sim-gpu-2 sim:h200\), this is sim:a100-sxm4-40gb \(model "):
+                       r"sim-gpu-3 sim:h200\), this is sim:a100-sxm4-40gb \(model "):
         _train({"plan": str(path), "device": "sim:a100-sxm4-40gb"})
     with pytest.raises(kareus.KareusOptionError, match=r"microbatches=2 and plan='.*plan.json', "
                        "made with microbatches=1, contradict"):

@@ -66,7 +66,7 @@ def test_each_distinct_partition_is_searched_once_into_the_store(graphs, tmp_pat
             # the frontier is that of everything measured, each point with its knobs
             times = {e.knobs: e.measurement.time_s for e in stored}
             assert [f.time_s for f in p.frontier] == sorted(times[f.knobs] for f in p.frontier)
-            assert p.model_version == "sim-gpu-2 sim:a100-sxm4-40gb"
+            assert p.model_version == "sim-gpu-3 sim:a100-sxm4-40gb"
             assert key == ProfileKey(p.key, GPU, p.model_version, key.clocks, 2)
 
 

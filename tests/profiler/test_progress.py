@@ -15,7 +15,7 @@ def _point(t, e, clock):
 def _profile(frontier, error=None):
     return PartitionProfile(
         "ab12cd34ef56aa", 2, "all_reduce", (0, 3), 36, 14, 9, "converged", frontier, frontier,
-        "sim:a100-sxm4-40gb", "sim-gpu-2 sim:a100-sxm4-40gb", error,
+        "sim:a100-sxm4-40gb", "sim-gpu-3 sim:a100-sxm4-40gb", error,
     )
 
 

@@ -18,9 +18,11 @@ the bf16 rate; fp32 without TF32 on the FP32 CUDA cores; PyTorch's
 ``torch.backends.cuda.matmul.allow_tf32`` decides, read when the graph is costed), fused
 attention forward or backward at FlashAttention-2's efficiency. tiles: the GEMM's output
 tiles (``gemm_tile_m x gemm_tile_n``, split-K when fewer than the SMs) or attention's
-row blocks; other FLOP-counted kernels have perfect waves. b is at most the HBM capacity of
-the kernel's read share (write-only, copy and read-only streams differ), divided by
-``1 + sigma (f_max / f - 1)``.
+row blocks (the backward's: key blocks of every query head, as FlashAttention-2 launches
+it, which under grouped-query attention writes dk and dv per query head and sums them after
+in two memory-bound kernels); other FLOP-counted kernels have perfect waves. b is at most
+the HBM capacity of the kernel's read share (write-only, copy and read-only streams
+differ), divided by ``1 + sigma (f_max / f - 1)``.
 
 Collective on a group of n (bus bytes D = S 2(n-1)/n for all-reduce, S (n-1)/n for the
 others, as nccl-tests count them), with k SMs (its own cap, else NCCL's default), and HBM
@@ -58,8 +60,13 @@ and everything after it runs there. The compute stream stalls ``clock_switch_s``
 the target differs from the current clock (a graph whose first node asks for the measured
 clock pays nothing), and two changes closer than ``min_switch_interval_s`` are refused.
 
-Not modelled: Inductor fusion (each aten node is one kernel, an upper bound on memory
-traffic), temperature, data-dependent power, NCCL's protocol switches, NVLink power
+Lowering (``graph_cost``): memory-bound kernels in a row are fused as Inductor fuses them,
+reading what they take from outside the run once and writing what leaves it; a
+concatenation costs only the inputs Inductor copies into it (a matmul or a generated kernel
+writes straight into its slice; graph inputs, views and fallback kernels' outputs are
+copied). Eager lowering (``fuse=False``): each aten node is one kernel.
+
+Not modelled: temperature, data-dependent power, NCCL's protocol switches, NVLink power
 (counted in static).
 """
 
@@ -68,6 +75,7 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+import operator
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -233,12 +241,16 @@ def _kernel(node: torch.fx.Node, tf32: bool, table: OpTable) -> Kernel:
     inputs = _tensors(args)
     dtype = str(inputs[0].dtype).removeprefix("torch.") if inputs else ""
     if facts.cost is Cost.ATTENTION:
-        backward = "backward" in str(packet)
-        # Forward output [B, H, S_q, D]; the backward's CTAs walk key blocks (key: input 2).
-        rows = [size_hint(d) for d in (inputs[2] if backward else out[0]).shape]
-        kind = KernelClass.ATTENTION_BWD if backward else KernelClass.ATTENTION_FWD
-        grid = (math.prod(rows[:-2]), rows[-2]) if len(rows) >= 2 else ()
-        return Kernel(node.name, flops, float(read), float(write), kind, grid)
+        if "backward" not in str(packet):
+            # Output [B, H, S_q, D]: the CTAs walk query blocks of each head.
+            rows = [size_hint(d) for d in out[0].shape]
+            grid = (math.prod(rows[:-2]), rows[-2]) if len(rows) >= 2 else ()
+            return Kernel(node.name, flops, float(read), float(write),
+                          KernelClass.ATTENTION_FWD, grid)
+        # dk and dv written per query head (the sums of ``_grouped_kv_sums`` follow).
+        expanded = (_kv_group(node) - 1) * sum(_nbytes(t) for t in out[1:3])
+        return Kernel(node.name, flops, float(read), float(write + expanded),
+                      KernelClass.ATTENTION_BWD, _backward_grid(node))
     tensor_flops = flops * TENSOR_TIME_SCALE.get(dtype, 1.0)
     kind = KernelClass.GEMM
     if dtype == "float32" and not tf32:
@@ -249,6 +261,63 @@ def _kernel(node: torch.fx.Node, tf32: bool, table: OpTable) -> Kernel:
         batch, m, n = math.prod(shape[:-2]), shape[-2], shape[-1]
         grid = (batch, m, n, max(1, round(flops / (2 * batch * m * n))))
     return Kernel(node.name, tensor_flops, float(read), float(write), kind, grid)
+
+
+# FlashAttention-2's backward under grouped-query attention (PyTorch's flash backend, which
+# is the only fused SDPA backend that takes fewer key/value heads than query heads:
+# torch.nn.functional.scaled_dot_product_attention's docstring). Dao-AILab/flash-attention
+# csrc/flash_attn/flash_api.cpp ``mha_bwd`` (PyTorch vendors it as
+# aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp): when num_heads_k !=
+# num_heads it allocates dk_expanded and dv_expanded of [batch, seqlen_k, num_heads,
+# head_size], passes num_heads as the kernel's heads (``set_params_fprop``: params.h =
+# num_heads), and after the kernel calls ``at::sum_out`` twice, summing each group of
+# num_heads / num_heads_k query heads into dk and dv (two ATen reduction kernels).
+# csrc/flash_attn/src/flash_bwd_launch_template.h ``run_flash_bwd_seqk_parallel`` launches
+# the dq/dk/dv kernel on ``grid_n(num_n_block, params.b, params.h)``: key blocks of every
+# query head.
+
+
+def _query_key(node: torch.fx.Node) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """An attention backward's query and key values, both [B, H, S, D] (else None)."""
+    named = arguments(node)
+    values = [named.get(name) for name in ("query", "key")]
+    if not all(isinstance(v, torch.fx.Node) for v in values):
+        return None
+    query, key = (_val(v) for v in values)
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (query, key)):
+        return None
+    return query, key
+
+
+def _kv_group(node: torch.fx.Node) -> int:
+    """Query heads per key/value head of an attention backward (1: multi-head)."""
+    pair = _query_key(node)
+    if pair is None:
+        return 1
+    query, key = pair
+    return max(1, size_hint(query.shape[1]) // max(1, size_hint(key.shape[1])))
+
+
+def _backward_grid(node: torch.fx.Node) -> tuple[int, ...]:
+    """(batch * query heads, key rows): FlashAttention-2's backward grid (see above)."""
+    pair = _query_key(node)
+    if pair is None:
+        return ()
+    query, key = pair
+    return (size_hint(query.shape[0]) * size_hint(query.shape[1]), size_hint(key.shape[2]))
+
+
+def _grouped_kv_sums(node: torch.fx.Node, kernel: Kernel) -> list[Kernel]:
+    """The two reductions FlashAttention-2 runs after a grouped-query backward: each reads
+    dk (dv) of every query head and writes that of the key/value heads (see above)."""
+    group = _kv_group(node) if kernel.kind is KernelClass.ATTENTION_BWD else 1
+    if group == 1:
+        return []
+    out = _tensors(_val(node))
+    return [
+        Kernel(f"{node.name}.sum_{name}", 0.0, float(group * _nbytes(t)), float(_nbytes(t)))
+        for name, t in zip(("dk", "dv"), out[1:3], strict=True)
+    ]
 
 
 def _query_heads(node: torch.fx.Node, args: tuple) -> tuple:
@@ -281,12 +350,15 @@ def _collective(record: CollectiveRecord, world_size: int) -> Collective:
 class _Fusion:
     """Consecutive memory-bound kernels, fused as Inductor fuses pointwise ops and
     reductions: one kernel that reads what the run takes from outside it once and writes
-    only what leaves it (used later or returned). Views between them are free."""
+    only what leaves it (used later or returned). Views between them are free. A
+    concatenation copies only what Inductor copies (:func:`_into_slice`); one that copies
+    nothing launches no kernel."""
 
     def __init__(self, table: OpTable) -> None:
         self.table = table
         self.nodes: list[torch.fx.Node] = []
         self.kernels: list[Kernel] = []
+        self.placed: set[torch.fx.Node] = set()  # values a concatenation took in place
 
     def add(self, node: torch.fx.Node, kernel: Kernel) -> None:
         self.nodes.append(node)
@@ -295,25 +367,118 @@ class _Fusion:
     def flush(self, kernels: list[Kernel], program: list[tuple[Step, int]]) -> None:
         if not self.nodes:
             return
-        program.append((Step.COMPUTE, len(kernels)))
-        kernels.append(self.kernels[0] if len(self.nodes) == 1 else self._fused())
+        cats = [_is_cat(n) for n in self.nodes]
+        fused = self.kernels[0] if cats == [False] else self._fused()
+        if not (all(cats) and fused.bytes == 0):  # a ConcatKernel alone is no kernel
+            program.append((Step.COMPUTE, len(kernels)))
+            kernels.append(fused)
         self.nodes, self.kernels = [], []
 
     def _fused(self) -> Kernel:
         members = set(self.nodes)
         reads: dict[torch.fx.Node, int] = {}
+        write = 0.0
         for node, kernel in zip(self.nodes, self.kernels, strict=True):
-            for inp, b in _reads(node, int(kernel.write_bytes), self.table).items():
+            if _is_cat(node):
+                taken, written = self._cat(node, members)
+            else:
+                taken = _reads(node, int(kernel.write_bytes), self.table).items()
+                written = kernel.write_bytes if _escapes(node, members, self.table) else 0.0
+            for inp, b in taken:
                 source = _through_views(inp, self.table)
                 if source not in members:
                     reads[source] = max(reads.get(source, 0), b)
-        write = sum(
-            k.write_bytes
-            for n, k in zip(self.nodes, self.kernels, strict=True)
-            if _escapes(n, members, self.table)
-        )
+            write += written
         name = f"{self.nodes[0].name}..{self.nodes[-1].name}"
         return Kernel(name, 0.0, float(sum(reads.values())), write)
+
+    def _cat(
+        self, node: torch.fx.Node, members: set[torch.fx.Node]
+    ) -> tuple[list[tuple[torch.fx.Node, int]], float]:
+        """(inputs read, bytes written) of a concatenation among ``members``: a value
+        written into its slice costs the concatenation nothing (a member's write lands in
+        the slice, counted here when the result leaves the run; a value from before the run
+        is read only by members that use the result); any other input is copied."""
+        table = self.table
+        escapes = _escapes(node, members, table)
+        used_here = _feeds(node, members, table)
+        reads: dict[torch.fx.Node, int] = {}  # by source: the slices of a split add up
+        write = 0
+        for inp in arguments(node)["tensors"]:
+            value = _val(inp)
+            full = _nbytes(value)  # size hints: a symbolic size is read, never guarded on
+            in_place = inp not in self.placed and _into_slice(inp, table)
+            if in_place:
+                self.placed.add(inp)
+                if inp in members:
+                    write += full if escapes and not _escapes(inp, members, table) else 0
+            else:
+                write += full if escapes else 0
+            if not in_place or (inp not in members and used_here):
+                source = _through_views(inp, table)
+                reads[source] = reads.get(source, 0) + _nbytes(value)
+        return [(s, min(b, _whole(s) or b)) for s, b in reads.items()], float(write)
+
+
+def _whole(node: torch.fx.Node) -> int:
+    """Bytes of all of ``node``'s tensors (0 where it carries no value)."""
+    return sum(_nbytes(t) for t in _tensors(node.meta.get("val")))
+
+
+def _is_cat(node: torch.fx.Node) -> bool:
+    return getattr(node.target, "overloadpacket", None) is aten.cat
+
+
+# Which producers Inductor (torch 2.13) computes straight into a concatenation's slice. Its
+# cat lowering (_inductor/lowering.py ``cat``) builds a ConcatKernel, which launches no
+# kernel: each input whose buffer still has a flexible layout gets a layout inside the
+# output (ir.py ``ConcatKernel.realize_into``, ``can_realize_into_without_copy``); any
+# other input is copied by a pointwise kernel. Flexible: kernels Inductor generates and its
+# matmuls (``extern_kernels.mm(..., out=)``). Not: graph inputs, views (the copy reads the
+# viewed buffer), outputs of fallback kernels (``OpFacts.allocates_output``), a value taken
+# by an earlier concatenation, and values whose layout is fixed when lowered (graph.py
+# ``GraphLowering.run_node``): graph outputs, and values with several users one of which is
+# a matmul or a convolution (``need_fixed_layout``, below). These are facts of the graph
+# around a value, not of its op, so they live here; tests/devices/test_inductor_cat.py
+# checks each against Inductor on the CPU. On CUDA, Inductor lowers a concatenation of at
+# most 8 inputs as one pointwise kernel instead (lowering.py ``pointwise_cat``) when all its
+# inputs would be copied or are pointwise, or when only pointwise ops use it: that kernel
+# reads the copied inputs, computes the pointwise ones into the output and, fused into its
+# users, reads the matmul outputs, which is what a run holding the concatenation and its
+# users costs here; a matmul output is then costed as written in place only where the
+# users are not in the concatenation's run.
+_FIXES_INPUT_LAYOUT = frozenset({
+    aten.mm.default,
+    aten._int_mm.default,
+    aten.convolution.default,  # unless Inductor optimises convolution layouts
+    aten.convolution_backward.default,
+})
+
+
+def _into_slice(node: torch.fx.Node, table: OpTable) -> bool:
+    """Whether Inductor writes ``node``'s value straight into a concatenation's slice."""
+    producer = node
+    if node.op == "call_function" and node.target is operator.getitem:
+        producer = node.args[0]  # one output of a multi-output kernel
+    if not isinstance(producer, torch.fx.Node) or producer.op != "call_function":
+        return False  # a graph input
+    if _is_free(producer, table) or table.facts_of(producer).allocates_output:
+        return False  # a view, or a fallback kernel's output
+    users = node.users
+    if any(user.op == "output" for user in users):
+        return False
+    return len(users) == 1 or not any(user.target in _FIXES_INPUT_LAYOUT for user in users)
+
+
+def _feeds(node: torch.fx.Node, members: set[torch.fx.Node], table: OpTable) -> bool:
+    """Whether a member of ``members`` reads ``node``'s result (or a view of it)."""
+    for user in node.users:
+        if user.op == "call_function" and _is_free(user, table):
+            if _feeds(user, members, table):
+                return True
+        elif user in members:
+            return True
+    return False
 
 
 def _through_views(node: torch.fx.Node, table: OpTable) -> torch.fx.Node:
@@ -381,8 +546,9 @@ def graph_cost(
                 run.add(node, kernel)
                 continue
             run.flush(kernels, program)
-            program.append((Step.COMPUTE, len(kernels)))
-            kernels.append(kernel)
+            for launched in (kernel, *_grouped_kv_sums(node, kernel)):
+                program.append((Step.COMPUTE, len(kernels)))
+                kernels.append(launched)
     run.flush(kernels, program)
     return GraphCost(tuple(kernels), tuple(collectives), tuple(program))
 
@@ -472,10 +638,12 @@ class _Evaluator:
     def _waves(self, kern: Kernel, free_sms: int) -> float:
         """SMs * waves / tiles: how much longer than on perfect waves ``kern`` computes."""
         spec = self.spec
+        if not kern.grid:
+            return spec.sm_count / free_sms
         if kern.kind in (KernelClass.ATTENTION_FWD, KernelClass.ATTENTION_BWD):
             heads, rows = kern.grid
             tiles = heads * math.ceil(rows / spec.attention_block)
-        elif kern.grid:
+        else:
             batch, m, n, k = kern.grid
             tm, tn = spec.gemm_tile_m, spec.gemm_tile_n
             tiles = batch * min(
@@ -483,8 +651,6 @@ class _Evaluator:
             )
             if tiles < free_sms:  # split-K fills the idle SMs, K chunks of at least 256
                 tiles *= max(1, min(free_sms // tiles, k // _SPLIT_K_MIN_DEPTH))
-        else:
-            return spec.sm_count / free_sms
         return spec.sm_count * math.ceil(tiles / free_sms) / tiles
 
     def _compute_rates(self, kernel: int | None, comm: int | None, mhz: float) -> _Interval:
@@ -844,6 +1010,20 @@ class SimulatedGPU(Device):
         cost = workload if isinstance(workload, GraphCost) else self._cost(workload)
         evaluator = _Evaluator(self.spec, cost, self._caps(cost, resources or {}))
         return {mhz: evaluator.run(mhz) for mhz in clocks}
+
+    def isolated_kernel_s(
+        self, workload: Workload | GraphCost, clock_mhz: int
+    ) -> tuple[float, ...]:
+        """Each of the graph's kernels (``GraphCost.kernels``, in order) timed alone at
+        ``clock_mhz``: every SM and all of HBM its own, no collective running, launch
+        overhead included, the power limit not applied (pass the clock it imposed,
+        ``details["power_limited_mhz"]``). What a timeline's compute time exceeds their sum
+        by is what concurrent collectives slowed the compute (a breakdown's contention)."""
+        _check_clock(self.spec, clock_mhz)
+        cost = workload if isinstance(workload, GraphCost) else self._cost(workload)
+        evaluator = _Evaluator(self.spec, cost, {})
+        return tuple(evaluator.rates(i, None, clock_mhz).kernel_s
+                     for i in range(len(cost.kernels)))
 
     def _caps(self, cost: GraphCost, resources: Resources) -> dict[str, int]:
         """The caps given (None: default, dropped), each naming a collective of the graph

@@ -23,7 +23,7 @@ from kareus.devices.errors import GPUSpecError
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
-MODEL_VERSION = "sim-gpu-2"
+MODEL_VERSION = "sim-gpu-3"
 """The version of the model (simulated.py's equations and this table). Every simulated
 measurement records it; a change to either needs new independent data and a new version."""
 
