@@ -26,6 +26,7 @@ import torch.fx
 from torch._inductor.compile_fx import compile_fx
 
 from kareus.codegen.lowering import lower, pinned_schedule_config
+from kareus.codegen.partitioner import partitioner_config
 from kareus.devices.base import Device
 from kareus.options import KareusOptionError, KareusOptions
 from kareus.passes.analyse import ForwardInterfaces, analyse
@@ -156,7 +157,8 @@ class KareusBackend:
         with torch._functorch.config.patch(enable_autograd_cache=False):
             return compile_fx(
                 gm, example_inputs, inner_compile=inner_compile,
-                config_patches=pinned_schedule_config(),
+                config_patches={**pinned_schedule_config(),
+                                **partitioner_config(options.saved_pieces, build())},
             )
 
     def _join_pipeline(self, region: int, found: Detection) -> None:

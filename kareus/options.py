@@ -269,6 +269,15 @@ class KareusOptions:
         """The nanobatch counts a plan chooses among (None: each graph's own, "auto")."""
         return None if self.nanobatches == "auto" else (self.nanobatches,)
 
+    @property
+    def saved_pieces(self) -> int:
+        """How many pieces the forward's saved values are handed to the backward in
+        (``codegen.partitioner``): the nanobatches asked for; 2 where the plan chooses
+        them ("auto", or a plan given), the method's count; 1 (whole) otherwise."""
+        if self.nanobatches == "auto" or self.plan is not None:
+            return 2
+        return self.nanobatches
+
     def planning(self) -> dict[str, Any]:
         """The options that change what a plan chooses (a plan stored under other values of
         the rest serves)."""

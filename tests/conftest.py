@@ -17,6 +17,7 @@ from torch._inductor.compile_fx import compile_fx
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import kareus
+from kareus.codegen.partitioner import partitioner_config
 from kareus.models.llama import Llama, LlamaConfig, parallelize_llama
 from kareus.passes.analyse import GraphAnalysis, analyse
 from kareus.runtime import process_runtime
@@ -119,9 +120,12 @@ class AotGraph:
     static_input_idxs: tuple[int, ...]
 
 
-def aot_graphs(model: torch.nn.Module, *args: Any, backward: bool = True) -> list[AotGraph]:
+def aot_graphs(
+    model: torch.nn.Module, *args: Any, backward: bool = True, pieces: int = 1
+) -> list[AotGraph]:
     """The forward (and, after ``.sum().backward()`` of its floating-point outputs, backward)
-    graphs of ``model(*args)``."""
+    graphs of ``model(*args)``; with ``pieces`` > 1, partitioned as the kareus backend
+    partitions them (saved values in that many pieces)."""
     captured = []
 
     def capture(gm, inputs, **kwargs):
@@ -136,9 +140,9 @@ def aot_graphs(model: torch.nn.Module, *args: Any, backward: bool = True) -> lis
         return make_boxed_func(gm.forward)
 
     torch._dynamo.reset()
-    compiled = torch.compile(
-        model, backend=lambda gm, ex: compile_fx(gm, ex, inner_compile=capture)
-    )
+    patches = partitioner_config(pieces, "tests") if pieces > 1 else {}
+    compiled = torch.compile(model, backend=lambda gm, ex: compile_fx(
+        gm, ex, inner_compile=capture, config_patches=patches))
     out = compiled(*args)
     if backward:  # of every floating-point output (token counts have no gradient)
         sum(o.sum() for o in (out if isinstance(out, tuple) else (out,))
@@ -148,12 +152,13 @@ def aot_graphs(model: torch.nn.Module, *args: Any, backward: bool = True) -> lis
 
 
 def analysed(
-    model: torch.nn.Module, *args: Any, backward: bool = True, backend: str | None = "fake"
+    model: torch.nn.Module, *args: Any, backward: bool = True, backend: str | None = "fake",
+    pieces: int = 1,
 ) -> list[tuple[AotGraph, GraphAnalysis]]:
     """``aot_graphs`` with each graph analysed as the backend does (a backward after its
     forward), its collectives on a group of ``backend`` (the fake one of ``fake_pg``)."""
     out, forward = [], None
-    for g in aot_graphs(model, *args, backward=backward):
+    for g in aot_graphs(model, *args, backward=backward, pieces=pieces):
         a = analyse(
             g.gm, g.inputs, g.kind, forward, backend=backend,
             static_input_idxs=g.static_input_idxs, label=g.kind,

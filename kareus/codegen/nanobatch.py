@@ -48,6 +48,7 @@ from kareus.passes.placement import (
     LocalIds,
     NodePlacement,
     Partial,
+    Piece,
     PlacementResult,
     Replicate,
     Split,
@@ -88,6 +89,11 @@ class ScheduleError(KareusError, ValueError):
 Identity = tuple[object, ...]
 """What an emitted node is, the same in every schedule: (role, original node, indices)."""
 
+ROLE = "kareus_role"
+"""``node.meta`` key of an emitted node's role (``Identity``'s first item): "once" (run on
+the whole batch), "piece" (a nanobatch's), a join ("cat", "sum", "unsort", ...) or a cut
+("input", "slice", "cut", ...), so a cost breakdown can tell the rewrite's own work."""
+
 _PROPAGATED = ("val", "tensor_meta")  # what shape propagation writes in node.meta
 
 
@@ -102,6 +108,8 @@ class _NodePlan:
     sliced: dict[torch.fx.Node, int | Split]
     resize: Resize | None
     join_early: bool  # a partial sum that whole-batch consumers need: add it once complete
+    from_pieces: bool = False  # a concatenation of the batch's pieces: taken as they come
+    assembled: bool = False  # an item of a split of the batch into pieces: from nanobatches
 
 
 @dataclass(frozen=True)
@@ -205,6 +213,10 @@ def _node_plan(
         resize=table.facts_of(node).resize,
         join_early=isinstance(p, Partial)
         and any(u.op == "output" or not per_nanobatch(place[u]) for u in node.users),
+        from_pieces=isinstance(p, Split) and node.target is aten.cat.default
+        and all(isinstance(place[t], Piece) for t in node.args[0]),
+        assembled=isinstance(p, Piece) and node.target is _getitem
+        and isinstance(place[node.args[0]], tuple),
     )
 
 
@@ -317,6 +329,7 @@ class _Emitter:
 
     def _record(self, new: torch.fx.Node, identity: Identity) -> torch.fx.Node:
         self.identity[new] = identity
+        new.meta[ROLE] = identity[0]
         return new
 
     def _call(
@@ -348,6 +361,9 @@ class _Emitter:
         """The whole-batch value of ``node``: joining its pieces if it was split."""
         if node in self.once:
             return self.once[node]
+        if self.nodes[node].assembled:
+            self.once[node] = self._assembled(node)
+            return self.once[node]
         if not self.nodes[node].split:
             self.once[node] = self._copy_once(node)
             return self.once[node]
@@ -376,6 +392,33 @@ class _Emitter:
         if isinstance(p, Split):
             return self._concatenate(node, p, pieces)
         raise CannotRewrite(f"{node.name} ({p}) cannot be joined into a whole value")
+
+    def _assembled(self, node: torch.fx.Node) -> torch.fx.Node:
+        """A piece of the batch (``Piece``: an item of a split of a split value into equal
+        pieces along its split dim) from the nanobatches' own pieces, never joined: with k
+        nanobatches and ``count`` pieces, nanobatch ``index``'s piece itself (k equal),
+        part of one (more pieces), or several laid end to end (fewer)."""
+        p, source = self.nodes[node].placement, node.args[0].args[0]
+        k, n, j = self.k, p.count, p.index
+        if k == n:
+            return self.piece(source, j)
+        if k > n:
+            m = k // n
+            pieces = [self.piece(source, i) for i in range(j * m, (j + 1) * m)]
+            return self._concatenate(node, p.rows, pieces)
+        m = n // k
+        rows = shape(node.meta["val"])[p.rows.dim]
+        start = (j % m) * rows
+        return self._call(
+            aten.slice.Tensor, (self.piece(source, j // m), p.rows.dim, start, start + rows),
+            ("assembled", node),
+        )
+
+    def _from_pieces(self, node: torch.fx.Node, j: int) -> torch.fx.Node:
+        """Nanobatch ``j``'s piece of a concatenation of the batch's pieces in order
+        (``placement.pieces_of``: the saved values the backward takes in pieces)."""
+        return _of_pieces(node, self.nodes[node].placement.dim, self.k, j, self.whole,
+                          lambda target, args: self._call(target, args, ("from pieces", node, j)))
 
     def _unsorted(
         self, node: torch.fx.Node, p: Split, pieces: list[torch.fx.Node]
@@ -545,7 +588,8 @@ class _Emitter:
         if issues:
             self._issue(coll, self.k - 1, group_name)
         for n in segment.whole:
-            self.whole(n)
+            if not self.nodes[n].assembled and not _split_into_pieces(self.nodes[n].placement):
+                self.whole(n)  # (pieces of the batch are assembled where they are used)
         if coll is not None and not issues:
             self.whole(coll.node)
             for w in coll.waits:
@@ -628,6 +672,10 @@ class _Emitter:
 
     def _copy(self, node: torch.fx.Node, j: int, group_name: str | None = None) -> torch.fx.Node:
         plan = self.nodes[node]
+        if plan.from_pieces:
+            new = self._from_pieces(node, j)
+            self.pieces.setdefault(node, [None] * self.k)[j] = new
+            return new
         target, args, kwargs = _copy_args(
             node, plan, self.k, j, lambda a: self.piece(a, j),
             lambda a, dim: self._slice(a, dim, j), self._sizer(("piece", node, j)), group_name,
@@ -761,10 +809,19 @@ class _PartitionEmitter:
         return IsolatedPartition(gm, (*inputs, source))
 
     def _copy(self, node: torch.fx.Node) -> None:
+        if self.nodes[node].from_pieces:  # the saved pieces: nanobatch 0's, as they come
+            self.env[node] = self._first_from_pieces(node)
+            return
         target, args, kwargs = _copy_args(
             node, self.nodes[node], self.k, 0, self.env.__getitem__, self._slice, self._sizer
         )
         self.env[node] = _create(self.graph, node.op, target, args, kwargs)
+
+    def _first_from_pieces(self, node: torch.fx.Node) -> torch.fx.Node:
+        """Nanobatch 0's piece of a concatenation of the batch's pieces (``_of_pieces``)."""
+        return _of_pieces(node, self.nodes[node].placement.dim, self.k, 0, self.env.__getitem__,
+                          lambda target, args: _create(self.graph, "call_function", target,
+                                                       args, None))
 
     def _issue(self, other: torch.fx.Node, group_name: str | None) -> torch.fx.Node:
         """The other nanobatch's collective, on its input ``other`` (whole where the
@@ -809,6 +866,31 @@ def _create(
     if kwargs:
         node.kwargs = kwargs
     return node
+
+
+def _of_pieces(
+    node: torch.fx.Node,
+    dim: int,
+    k: int,
+    j: int,
+    value: Callable[[torch.fx.Node], torch.fx.Node],
+    emit: Callable[[object, tuple], torch.fx.Node],
+) -> torch.fx.Node:
+    """Nanobatch ``j`` of ``k`` of ``node``, a concatenation along ``dim`` of all ``n``
+    pieces of the batch in order, from the pieces' ``value``: piece ``j`` itself (k = n),
+    the pieces ``j * n/k`` on laid end to end (k < n), or part ``j % (k/n)`` of piece
+    ``j // (k/n)`` (k > n); ``emit(target, args)`` adds a node."""
+    tensors = node.args[0]
+    n = len(tensors)
+    if k == n:
+        return value(tensors[j])
+    if k < n:
+        m = n // k
+        return emit(aten.cat.default, ([value(t) for t in tensors[j * m:(j + 1) * m]], dim))
+    m = k // n
+    rows = shape(node.meta["val"])[dim] // k
+    start = (j % m) * rows
+    return emit(aten.slice.Tensor, (value(tensors[j // m]), dim, start, start + rows))
 
 
 def _shape(node: torch.fx.Node) -> tuple[object, ...]:
@@ -893,6 +975,11 @@ def _with_group(node: torch.fx.Node, args: tuple, group_name: str) -> tuple:
     """The same collective issued on another process group (a resource-capped one)."""
     index = position(node, "group_name")
     return (*args[:index], group_name, *args[index + 1 :])
+
+
+def _split_into_pieces(p: NodePlacement) -> bool:
+    """Whether a node of placement ``p`` splits the batch into pieces (``Piece``)."""
+    return isinstance(p, tuple) and bool(p) and all(isinstance(q, Piece) for q in p)
 
 
 def join_order(val: torch.Tensor) -> list[int]:

@@ -31,7 +31,14 @@ from kareus.passes.interface import (
 )
 from kareus.passes.ops import OP_TABLE, OpTable
 from kareus.passes.partition import GraphPartitioning, graph_hash, partition_graph
-from kareus.passes.placement import Aligned, PlacementResult, Split, per_nanobatch, propagate
+from kareus.passes.placement import (
+    Aligned,
+    Piece,
+    PlacementResult,
+    Split,
+    per_nanobatch,
+    propagate,
+)
 from kareus.passes.reasons import Reason, ReasonKind
 from kareus.passes.variants import NANOBATCH_COUNTS, VariantSpace, variant_space
 
@@ -148,7 +155,8 @@ def feasibility(
 ) -> Reason | None:
     """Why ``k`` nanobatches cannot apply to ``graph`` (None when they can)."""
     split_inputs = [
-        n for n in graph.find_nodes(op="placeholder") if isinstance(result.placements[n], Split)
+        n for n in graph.find_nodes(op="placeholder")
+        if isinstance(result.placements[n], (Split, Piece))
     ]
     if not split_inputs:
         return Reason(ReasonKind.NO_SPLIT_INPUT, None, "no graph input is split along a batch dim")

@@ -25,6 +25,7 @@ from kareus.passes.placement import (
     REPLICATE,
     Aligned,
     NodePlacement,
+    Piece,
     PlacementResult,
     RowIds,
     RuleTable,
@@ -107,7 +108,8 @@ def backward_inputs(
 
 
 def _as_input(p: NodePlacement | None, saved: dict[str, torch.fx.Node]) -> NodePlacement:
-    """A forward value as the backward receives it: whole, joined from its pieces.
+    """A forward value as the backward receives it: whole, joined from its pieces, or a
+    piece of the batch (``Piece``) where the forward hands it over in pieces.
 
     Split again where the forward split it along one dim (in uneven blocks or not, in row
     order), or laid it out so; row ids stay
@@ -117,6 +119,8 @@ def _as_input(p: NodePlacement | None, saved: dict[str, torch.fx.Node]) -> NodeP
     computed on the whole batch. Its consumers slice it where they pair it element by
     element with split values, so the backward's split region does not end there.
     """
+    if isinstance(p, Piece):
+        return p  # a piece of the batch, handed over as it is (``codegen.partitioner``)
     if isinstance(p, Aligned):
         p = p.rows  # the very value the forward computed once, laid out like the batch
     if isinstance(p, Split) and p.order is not None:
@@ -193,14 +197,16 @@ def cut_by_part(
 
     DTensor's Replicate -> Shard(0) of a batch-split input (an MoE router taking its rank's
     tokens) splits the rows into one part per rank and keeps one: a contiguous chunk of the
-    rows is all in one part, so the split region ends there. Cut as that many blocks
+    rows is all in one part, so the split region ends there (or the part is a ``Piece``,
+    computed once). Cut as that many blocks
     (``Split(0, parts)``), each nanobatch holds a chunk of every part, and of the part the
     rank keeps."""
     relaid = dict(inputs)
-    nodes = {n.name: n for n in graph.nodes}
-    for reason in result.barriers:
-        node = nodes[reason.node]
-        if reason.kind is not ReasonKind.ALONG_SPLIT_DIM or node.target not in _SPLITS:
+    ended = {r.node for r in result.barriers if r.kind is ReasonKind.ALONG_SPLIT_DIM}
+    for node in graph.nodes:
+        place = result.placements.get(node)
+        into_pieces = isinstance(place, tuple) and all(isinstance(q, Piece) for q in place)
+        if node.target not in _SPLITS or not (node.name in ended or into_pieces):
             continue
         source, parts = node.args[0], len(node.meta["val"])
         rows = shape(_tensor(source))[0]

@@ -26,7 +26,12 @@ Placements (DESIGN.md section 3), propagated through the graph from its inputs:
   lets the split resume after them: ``RowIds(reason, extent)``, ids of the rows of a split
   dim of ``extent`` rows (a sort's indices along the split dim), and ``Aligned(reason,
   rows)``, a value laid out like the split ``rows`` (those ids' rows scattered back into
-  batch order), which every rule sees as that split and the rewrite slices per nanobatch.
+  batch order), which every rule sees as that split and the rewrite slices per nanobatch;
+  ``Piece(reason, rows, index, count)``, one of ``count`` equal pieces of the split
+  ``rows`` (a split of the batch along its split dim: how kareus's partitioner hands the
+  forward's saved values to the backward), which the rewrite assembles from the
+  nanobatches' own pieces instead of joining them, and whose concatenation in order is
+  split like ``rows`` again, each nanobatch taking its pieces as they come.
 
 A rule (one per op, found in ``ops.OP_TABLE``) returns a placement or a ``Reason`` saying
 why it cannot split, of a kind that reports and tests group by. Rules cover the ops of the
@@ -107,6 +112,17 @@ class Aligned(Whole):
     """Computed once, laid out like the split ``rows``: a nanobatch may take its slice."""
 
     rows: Split
+
+
+@dataclass(frozen=True)
+class Piece(Whole):
+    """Piece ``index`` of ``count`` equal pieces along the split ``rows``: computed once in
+    that it is one tensor, but assembled from the nanobatches' pieces (one of them, part of
+    one, or several laid end to end, as k and ``count`` divide each other), never joined."""
+
+    rows: Split
+    index: int
+    count: int
 
 
 @dataclass(frozen=True)
@@ -246,11 +262,11 @@ def _place(
         # Computed once from values computed once: no new barrier. Unless the rule resumes
         # the split from an aligned value, or finds row ids or batch order again.
         whole = Whole(next(p for p in flat if isinstance(p, Whole)).reason)
-        if rule is None or not any(isinstance(p, (RowIds, Aligned)) for p in flat):
+        if rule is None or not any(isinstance(p, (RowIds, Aligned, Piece)) for p in flat):
             return whole
         result = _apply(rule, RuleContext(node, k, placements))
         resumed = not isinstance(result, Reason) and (
-            per_nanobatch(result) or isinstance(result, (RowIds, Aligned))
+            per_nanobatch(result) or isinstance(result, (RowIds, Aligned, Piece))
         )
         return result if resumed else whole
     result = (
@@ -534,11 +550,14 @@ def expand(ctx: RuleContext) -> NodePlacement | Reason:
 
 
 def permute(ctx: RuleContext) -> NodePlacement | Reason:
+    order = ctx.arg("dims")
+    dims = [_norm(d, len(order)) for d in order]
+    piece = ctx.whole(ctx.arg("input"))
+    if isinstance(piece, Piece):  # a piece of the batch laid out otherwise: still one
+        return replace(piece, rows=replace(piece.rows, dim=dims.index(piece.rows.dim)))
     p = _input(ctx)
     if not isinstance(p, Split):
         return _replicate_or_partial(p)
-    order = ctx.arg("dims")
-    dims = [_norm(d, len(order)) for d in order]
     return replace(p, dim=dims.index(p.dim))
 
 
@@ -697,8 +716,14 @@ def split(ctx: RuleContext) -> NodePlacement | Reason:
         return _along_split_dim("split of rows cut in uneven per-rank blocks")
     # Splitting a blocked dim into groups of whole blocks (an all-gather followed by
     # DTensor's re-layout, or by one chunk per rank) leaves each block chunked the same way.
-    if p.blocks % n == 0 and all(n * _shape(o)[dim] == src[dim] for o in ctx.out):
+    equal = all(n * _shape(o)[dim] == src[dim] for o in ctx.out)
+    if p.blocks % n == 0 and equal:
         return (Split(dim, p.blocks // n),) * n
+    if p.blocks == 1 and p.order is None and equal and (ctx.k % n == 0 or n % ctx.k == 0):
+        # Pieces of the batch (the forward's saved values as the backward takes them):
+        # each is assembled from the nanobatches' pieces, never joined and cut again.
+        why = Reason(ReasonKind.ALONG_SPLIT_DIM, None, f"one of {n} pieces of the batch")
+        return tuple(Piece(why, p, j, n) for j in range(n))
     return _along_split_dim("split along the split dim")
 
 
@@ -715,6 +740,9 @@ def unbind(ctx: RuleContext) -> NodePlacement | Reason:
 
 def cat(ctx: RuleContext) -> NodePlacement | Reason:
     tensors = ctx.arg("tensors")
+    rows = pieces_of(ctx, tensors)
+    if rows is not None:
+        return rows
     ps = {ctx.pl(t) for t in tensors}
     if len(ps) != 1:
         return _operands_split_apart("concatenation of differently placed tensors")
@@ -731,6 +759,20 @@ def cat(ctx: RuleContext) -> NodePlacement | Reason:
     if len(sizes) == 1 and p.sizes is None:
         return Split(dim, len(tensors) * p.blocks)
     return _along_split_dim("concatenation along the split dim of unequal pieces")
+
+
+def pieces_of(ctx: RuleContext, tensors: Sequence[object]) -> Split | None:
+    """The split ``rows`` whose pieces ``tensors`` are, all of them in order along their
+    dim (a concatenation of them is that split again); None if they are not."""
+    pieces = [ctx.whole(t) for t in tensors]
+    if not all(isinstance(q, Piece) for q in pieces):
+        return None
+    rows = pieces[0].rows
+    dim = _norm(ctx.arg("dim", 0), len(_shape(ctx.out)))
+    ordered = [(q.rows, q.index, q.count) for q in pieces] == [
+        (rows, j, len(pieces)) for j in range(len(pieces))
+    ]
+    return rows if ordered and dim == rows.dim else None
 
 
 def stack(ctx: RuleContext) -> NodePlacement | Reason:
