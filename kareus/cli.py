@@ -88,6 +88,11 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-dir", default=None, help="the profile store's directory")
     parser.add_argument("--search", choices=("grid", "bayesian"), default="grid")
     parser.add_argument("--search-budget", type=_positive, default=32)
+    parser.add_argument(
+        "--max-solve-s", type=_positive_seconds, default=20.0,
+        help="seconds per solve of a pipeline plan; past them the best plan found is kept "
+        "with its proven gap (in the JSON; default 20, as kareus bench; 0: solve exactly, "
+        "which can take an hour on an uneven 2-stage split)")
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
@@ -102,6 +107,25 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sp", action="store_true", help="sequence parallelism")
     parser.add_argument("--recompute", choices=("none", "full"), default="none")
     parser.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
+    parser.add_argument(
+        "--layout", choices=("megatron", "torchtitan"), default="megatron",
+        help="how the model is written: megatron (default; as Megatron-LM runs it: fused QKV "
+        "and gate-up projections, 2 all-reduces per block forward and 2 backward, logits "
+        "sharded on the vocabulary and a vocab-parallel loss) or torchtitan (as torchtitan "
+        "and Hugging Face write it: separate q, k, v, gate and up projections, 5 all-reduces "
+        "per block backward, logits all-gathered and a replicated loss)")
+    parser.add_argument(
+        "--first-stage-layers", default=None, metavar="N|even",
+        help="the first pipeline stage's layers (Megatron's "
+        "num_layers_in_first_pipeline_stage), the later stages splitting the rest evenly; "
+        "'even': an even split; default: the method's artifact's split where it ran the "
+        "preset at this pp (llama3.2-3b and qwen3-1.7b at pp 2: 15 of 28), else even")
+    parser.add_argument(
+        "--regions", choices=("block", "stage"), default="block",
+        help="how the model is compiled: block (default; a region per transformer block, as "
+        "torchtitan compiles: nanobatches joined at every block's end) or stage (each "
+        "pipeline stage one region: nanobatches flow from block to block, one's last "
+        "collective of a block hidden behind the other's next block)")
 
 
 def _add_budget(parser: argparse.ArgumentParser, default: str) -> None:
@@ -115,6 +139,16 @@ def _add_budget(parser: argparse.ArgumentParser, default: str) -> None:
                         help="Zeus's eta in [0, 1]")
     budget.add_argument("--fastest", action="store_true",
                         help="no budget: the least energy no slower than the fastest plan")
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
+    return value
 
 
 def _positive(text: str) -> int:

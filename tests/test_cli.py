@@ -26,6 +26,24 @@ def test_bad_demo_arguments_are_refused_with_the_reason(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_kareus_plan_refuses_an_unknown_layout_naming_the_choices(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["plan", "llama3.2-1b", "--layout", "nemo"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --layout: invalid choice: 'nemo'" in err
+    assert "'megatron'" in err and "'torchtitan'" in err
+
+
+def test_kareus_plan_help_says_what_each_layout_traces(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "fused QKV and gate-up projections" in out and "vocab-parallel loss" in out
+    assert "separate q, k, v, gate and up projections" in out and "logits all-gathered" in out
+    assert "num_layers_in_first_pipeline_stage" in out
+
+
 def test_a_bad_budget_or_target_is_refused_before_anything_runs(capsys, tmp_path):
     assert main(["demo", "--energy-budget", "12 furlongs"]) == 2
     assert "kareus option 'energy_budget': got '12 furlongs'" in capsys.readouterr().out

@@ -6,25 +6,74 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
 
 from kareus.devices.resolve import check_device
-from kareus.offline.workload import Workload
+from kareus.offline.models import artifact_first_stage_layers, resolve_model
+from kareus.offline.workload import Workload, WorkloadError
 from kareus.planner.budget import Budget
 from kareus.version import __version__
 
+if TYPE_CHECKING:
+    from kareus.offline.plan import OfflinePlan
+
 PAPER_WORKLOAD = "llama3.2-3b --tp 8 --microbatches 8 --microbatch-size 8 --seq 4096"
 """What the demo plans at its end: the method's Llama 3.2 3B at TP8, one stage, on the
-simulated A100 (the parser's default device)."""
+simulated A100 (the parser's default device), in the Megatron layout."""
+
+LAYOUT_WORDS = {
+    "megatron": "Megatron-LM layout (fused QKV and gate-up projections, vocab-parallel loss)",
+    "torchtitan": "torchtitan / Hugging Face layout (separate q, k, v, gate and up "
+                  "projections, logits all-gathered)",
+}
+"""What each ``--layout`` traces, in words."""
 
 
 def workload_of(args: argparse.Namespace) -> Workload:
-    return Workload.of(args.model, tp=args.tp, pp=args.pp, microbatches=args.microbatches,
-                       microbatch_size=args.microbatch_size, seq=args.seq, sp=args.sp,
-                       recompute=args.recompute)
+    """The workload the arguments name. ``--first-stage-layers``: a count, "even", or not
+    given: the artifact's split where it ran the preset at this pp (``models.
+    artifact_first_stage_layers``), else even."""
+    name, model = resolve_model(args.model)
+    return Workload(model, name, tp=args.tp, pp=args.pp, microbatches=args.microbatches,
+                    microbatch_size=args.microbatch_size, seq=args.seq, sp=args.sp,
+                    recompute=args.recompute, layout=args.layout, regions=args.regions,
+                    first_stage_layers=first_stage_layers(args.first_stage_layers, name,
+                                                          args.pp))
+
+
+def first_stage_layers(text: str | None, name: str, pp: int) -> int | None:
+    """``--first-stage-layers`` as a ``Workload`` field: None for an even split."""
+    if text is None:
+        return artifact_first_stage_layers(name, pp)
+    if text == "even":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise WorkloadError(f"workload first_stage_layers must be an integer >= 1 or 'even', "
+                            f"got {text!r}") from None
+
+
+def traced_words(workload: Workload) -> str:
+    """What was traced, beyond the shapes: the layout and each stage's layers."""
+    shares = "/".join(str(len(r)) for r in workload.stage_layers)
+    split = ("" if workload.pp == 1 else
+             f"; stages of {shares} layers" + (" (first stage given)"
+                                               if workload.first_stage_layers else ""))
+    regions = "a region per pipeline stage" if workload.regions == "stage" else (
+        "a region per block")
+    return (f"traced: {workload.name} in the {LAYOUT_WORDS[workload.layout]}{split}; "
+            f"compiled as {regions}")
+
+
+def result_json(plan: OfflinePlan) -> dict[str, Any]:
+    """``plan``'s result JSON, its workload saying the layout traced, the loss and each
+    stage's layers (``Workload.describe``)."""
+    data = plan.to_json()
+    return {**data, "workload": {**data["workload"], **plan.workload.describe()}}
 
 
 def plan_command(args: argparse.Namespace, budget: dict[str, Any], console: Console) -> None:
@@ -42,20 +91,19 @@ def plan_command(args: argparse.Namespace, budget: dict[str, Any], console: Cons
     start = time.perf_counter()
     plan = plan_offline(workload, args.device, chosen_budget, schedule=args.schedule,
                         cache_dir=args.cache_dir, search=args.search,
-                        search_budget=args.search_budget)
+                        search_budget=args.search_budget,
+                        max_solve_s=args.max_solve_s or None)
     elapsed = time.perf_counter() - start
+    console.print(traced_words(workload), markup=False)
     console.print(report.frontier_table(plan))
     metrics = Table(title="metrics (modelled)", title_justify="left", show_header=False)
     for name, value in report.metrics_rows(plan).items():
         metrics.add_row(name, value)
     console.print(metrics)
     step, what = step_plan(plan, __version__)
-    if step is not None:
-        step.save(plan_json)
-        console.print(f"plan for the plan option: {plan_json} ({what})", markup=False)
-    else:
-        console.print(what, markup=False)
+    step.save(plan_json)
+    console.print(f"plan for the plan option: {plan_json} ({what})", markup=False)
     report.write_png(png, report.figure(plan))
-    report.write_json(result, {**plan.to_json(), "seconds": elapsed,
+    report.write_json(result, {**result_json(plan), "seconds": elapsed,
                                "kareus_version": __version__})
     console.print(f"wrote {result} and {png}; planned in {elapsed:.1f} s", markup=False)

@@ -2,12 +2,13 @@
 
 Either way the result is a ``LlamaConfig``: kareus traces its own Llama-family block
 (``kareus.models.llama``: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP,
-optionally Qwen3's per-head query and key norms) with the model's shapes, sharded with
-PyTorch's tensor-parallel API as torchtitan shards Llama, not the Hugging Face module
-itself. What the shapes do not carry is not modelled: RoPE scaling (Llama 3.1's long
-context) changes no shape or cost, attention biases (Qwen2) and tied embeddings are left
-out, and a family whose block differs (mixture of experts, sliding windows, other norms)
-is traced as the dense Llama block of its shapes, with a warning.
+optionally Qwen3's per-head query and key norms) with the model's shapes, laid out as
+Megatron-LM or torchtitan writes it (a workload's ``layout``) and sharded with PyTorch's
+tensor-parallel API, not the Hugging Face module itself. What the shapes do not carry is
+not modelled: RoPE scaling (Llama 3.1's long context) changes no shape or cost,
+attention biases (Qwen2) and tied embeddings are left out, and a family whose block
+differs (mixture of experts, sliding windows, other norms) is traced as the dense Llama
+block of its shapes, with a warning.
 
 Hugging Face ``transformers`` is optional (the ``zoo`` extra), imported when a config file
 is read.
@@ -75,6 +76,24 @@ PRESETS: Mapping[str, LlamaConfig] = MappingProxyType({
         qk_norm=True,
     ),
 })
+
+ARTIFACT_FIRST_STAGE_LAYERS: Mapping[tuple[str, int], int] = MappingProxyType({
+    ("llama3.2-3b", 2): 15,
+    ("qwen3-1.7b", 2): 15,
+})
+"""The first pipeline stage's layers where the method's artifact (ml-energy/kareus) ran a
+preset, by (preset, pp): both 28-layer models at PP2 split 15/13. Its Megatron configs say
+``num_layers_in_first_pipeline_stage: 15`` (tests/artifact/conf/
+megatron_llama3.2_3b_config.yaml and megatron_qwen3_1.7b_config.yaml; the launch scripts
+tests/artifact/run_*.sh override TP, CP, microbatch and sequence only), and its partition
+profiler's registry the same 15 first and 13 last (tests/bayesian/common/model_config.py)."""
+
+
+def artifact_first_stage_layers(name: str, pp: int) -> int | None:
+    """The artifact's first-stage layers for preset ``name`` at ``pp`` stages; None where it
+    did not run it so (an even split then)."""
+    return ARTIFACT_FIRST_STAGE_LAYERS.get((name, pp))
+
 
 # Hugging Face model types whose block is kareus's Llama block (up to what the module
 # docstring says), and whether they norm query and key heads.

@@ -1,19 +1,25 @@
 """Each pipeline stage's graphs for one rank, traced over fake tensors, with their frontiers.
 
-Compiled per block, as torchtitan compiles: the token embedding, each transformer block,
-and the tail (final norm, output projection and cross-entropy loss) are separate
-``torch.compile`` regions with the kareus backend. Identical blocks share one compiled
-forward and one backward graph (Dynamo lifts the parameters to inputs and does not
-recompile per layer; checked on every trace: a second block that compiles anew is a
-``TraceError``). So one forward and backward of embedding -> two blocks -> tail, on fake
-bf16 tensors of one microbatch under a fake process group of ``tp`` ranks, gives every
-distinct graph of every stage: a block's graphs do not depend on what feeds it (the
-embedding, or a stage input received from the previous stage: both are activations that
-require grad), nor on how many blocks follow. A stage's instructions are then these graphs
-counted: its forward is ``[(embed, 1)]`` on the first stage, ``(block, layers)``, and
-``[(tail, 1)]`` on the last; its backward the reverse. Tracing costs the same for 2 layers
-or 80: it grows with the distinct graphs and their partitions, never with layers or
-stages.
+Two ways of compiling (``Workload.regions``):
+
+- "block", as torchtitan compiles: the token embedding, each transformer block, and the
+  tail (final norm, output projection and loss) are separate ``torch.compile`` regions
+  with the kareus backend. Identical blocks share one compiled forward and one backward
+  graph (Dynamo lifts the parameters to inputs and does not recompile per layer; checked
+  on every trace: a second block that compiles anew is a ``TraceError``). So one forward
+  and backward of embedding -> two blocks -> tail, on fake bf16 tensors of one microbatch
+  under a fake process group of ``tp`` ranks, gives every distinct graph of every stage:
+  a block's graphs do not depend on what feeds it, nor on how many blocks follow. A
+  stage's instructions are then these graphs counted: its forward is ``[(embed, 1)]`` on
+  the first stage, ``(block, layers)``, and ``[(tail, 1)]`` on the last; its backward the
+  reverse. Tracing costs the same for 2 layers or 80. Nanobatches are joined at every
+  block's end, and each block's last collective has nothing of its own block left to hide
+  behind.
+- "stage", as the method's own engine runs a stage: each pipeline stage (its layers, the
+  embedding on the first, the tail on the last) is one region, one forward and one
+  backward graph, traced with all its layers. Nanobatches flow from block to block
+  without a join, so one nanobatch's last collective of block L runs while the other
+  computes block L + 1. Stages of the same shape share their graphs.
 
 Each graph's frontier is the planner's (``StepPlanner.frontiers``): with
 ``nanobatches="auto"`` every graph is planned as it compiles, each distinct partition
@@ -23,11 +29,12 @@ clocks. No budget is needed: the step plan the backend makes as a by-product (th
 its default) is not used. Frontiers are per GPU, times in seconds and energies in joules
 (effective: less static power, as the planner plans them).
 
-Full recomputation (``recompute="full"``) models Megatron-style full activation
-checkpointing of every transformer layer: a backward instruction runs the layer's forward
-again before its backward, so the block's forward graph is counted again in the backward
-instruction. The backward graph traced is the one without checkpointing (what AOT
-autograd gives with activations saved); the embedding and the tail are not recomputed.
+Full recomputation (``recompute="full"``) is Megatron's and torchtitan's full activation
+checkpointing of every transformer layer: each block runs under
+``torch.utils.checkpoint`` (non-reentrant), so its forward graph saves only the block's
+input and its backward graph recomputes the forward before differentiating it (kareus's
+partitioner hands that input over in nanobatch pieces, ``codegen.partitioner``). The
+embedding and the tail are not recomputed.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from kareus.backend import KareusBackend
 from kareus.errors import KareusError
@@ -113,29 +121,34 @@ def trace_stages(
     search_budget: int = 32,
     search: str = "grid",
     seed: int = 0,
+    backend: KareusBackend | None = None,
 ) -> tuple[StageGraphs, ...]:
     """Each of ``workload``'s pipeline stages, its instructions' graphs and counts, costed
-    on ``device`` (a kareus ``device`` option: ``"sim:<preset>"``, a GPU .json...)."""
-    traced = trace_model(workload, device, cache_dir=cache_dir, search_budget=search_budget,
-                         search=search, seed=seed)
-    return stage_graphs(workload, traced)
+    on ``device`` (a kareus ``device`` option: ``"sim:<preset>"``, a GPU .json...),
+    compiled as ``workload.regions`` says. ``backend``: the one to compile with instead
+    (its options as the tracing one's: ``tracing_options``), e.g. one that keeps the
+    graphs for a closer look."""
+    backend = backend or KareusBackend(
+        tracing_options(device, cache_dir, search_budget, search, seed))
+    if workload.regions == "stage":
+        with fake_group(workload.tp), _fresh_dynamo():
+            return _trace_by_stage(workload, backend)
+    with fake_group(workload.tp), _fresh_dynamo():
+        return stage_graphs(workload, _trace(workload, backend))
 
 
 def stage_graphs(workload: Workload, traced: TracedModel) -> tuple[StageGraphs, ...]:
-    """The stages of ``workload`` composed from its distinct graphs."""
+    """The stages of ``workload`` composed from its distinct graphs (compiled per block:
+    under full recomputation the block's backward graph recomputes its forward)."""
     stages = []
     last = workload.pp - 1
     for s, layers in enumerate(workload.stage_layers):
         n = len(layers)
         head = [(traced.embed, 1)] if s == 0 else []
         tail = [(traced.tail, 1)] if s == last else []
-        forward = [(p.forward, k) for p, k in [*head, (traced.block, n), *tail]]
-        recomputed = [(traced.block.forward, n)] if workload.recompute == "full" else []
-        backward = [
-            *[(p.backward, k) for p, k in tail],
-            *recomputed,
-            *[(p.backward, k) for p, k in [(traced.block, n), *head]],
-        ]
+        pieces = [*head, (traced.block, n), *tail]
+        forward = [(p.forward, k) for p, k in pieces]
+        backward = [(p.backward, k) for p, k in reversed(pieces)]
         stages.append(StageGraphs(s, layers, tuple(forward), tuple(backward)))
     return tuple(stages)
 
@@ -149,25 +162,36 @@ def trace_model(
     search: str = "grid",
     seed: int = 0,
 ) -> TracedModel:
-    """Trace and cost every distinct graph of ``workload`` (the module docstring says
-    how), in this process: under a fake process group of ``workload.tp`` ranks (made for
-    the trace and destroyed after it; a fake default group of that size already made is
-    used as it is), with Dynamo's caches reset before and after (what was compiled before
-    compiles again at its next call). ``search``: the backend's option; "grid" by default,
-    every variant of every partition measured: on a simulated GPU one costs about 4 ms, a
-    Bayesian proposal about 0.6 s."""
-    backend = KareusBackend({
+    """Trace and cost every distinct graph of ``workload`` compiled per block (the module
+    docstring says how), in this process: under a fake process group of ``workload.tp``
+    ranks (made for the trace and destroyed after it; a fake default group of that size
+    already made is used as it is), with Dynamo's caches reset before and after (what was
+    compiled before compiles again at its next call). ``search``: the backend's option;
+    "grid" by default, every variant of every partition measured: on a simulated GPU one
+    costs about 4 ms, a Bayesian proposal about 0.6 s."""
+    backend = KareusBackend(tracing_options(device, cache_dir, search_budget, search, seed))
+    with fake_group(workload.tp), _fresh_dynamo():
+        return _trace(dataclasses.replace(workload, regions="block"), backend)
+
+
+def tracing_options(
+    device: str, cache_dir: str | Path | None = None, search_budget: int = 32,
+    search: str = "grid", seed: int = 0,
+) -> dict[str, object]:
+    """The kareus options a trace compiles with: every graph planned ("auto") on
+    ``device``, lowered eagerly (nothing runs: fake tensors)."""
+    return {
         "device": device, "nanobatches": "auto", "lowering": "eager",
         "cache_dir": None if cache_dir is None else str(cache_dir),
         "search_budget": search_budget, "search": search, "seed": seed,
-    })
-    with _fake_group(workload.tp), _fresh_dynamo():
-        return _trace(workload, backend)
+    }
 
 
 class _Tail(nn.Module):
-    """The last stage's tail: final norm, output projection (its logits replicated, as
-    ``parallelize_llama`` gives them) and mean cross-entropy on fp32 logits."""
+    """The last stage's tail: final norm, output projection and mean cross-entropy on fp32
+    logits. The logits are as ``parallelize_llama`` leaves them: replicated (all-gathered),
+    or sharded on the vocabulary with ``loss_parallel``, the cross-entropy then run
+    vocab-parallel under torch's ``loss_parallel()`` (entered by ``run_microbatch``)."""
 
     def __init__(self, model: Llama) -> None:
         super().__init__()
@@ -178,36 +202,99 @@ class _Tail(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
 
+class _Block(nn.Module):
+    """A transformer block as the workload runs it: under ``torch.utils.checkpoint`` with
+    full recomputation (non-reentrant, as torchtitan's ``checkpoint_wrapper``)."""
+
+    def __init__(self, block: nn.Module, recompute: bool) -> None:
+        super().__init__()
+        self.block, self.recompute = block, recompute
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.recompute:
+            return checkpoint(self.block, h, cos, sin, use_reentrant=False)
+        return self.block(h, cos, sin)
+
+
+class _Stage(nn.Module):
+    """A pipeline stage as one region: the embedding on the first stage, its blocks, the
+    tail on the last (its input: the tokens on the first stage, else the activations)."""
+
+    def __init__(self, model: Llama, layers: range, first: bool, last: bool,
+                 recompute: bool) -> None:
+        super().__init__()
+        self.embed = model.tok_embeddings if first else None
+        self.blocks = nn.ModuleList(_Block(model.layers[i], recompute) for i in layers)
+        self.tail = _Tail(model) if last else None
+
+    def forward(
+        self, x: torch.Tensor, labels: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        h = x if self.embed is None else self.embed(x)
+        for block in self.blocks:
+            h = block(h, cos, sin)
+        return h if self.tail is None else self.tail(h, labels)
+
+
 def run_microbatch(
     workload: Workload,
     backend: KareusBackend,
-    compiled: Callable[[str, int], None] = lambda role, block: None,
+    compiled: Callable[[str, int], None] = lambda role, index: None,
 ) -> None:
-    """One forward and backward of one microbatch through ``workload``'s pieces, compiled
-    per block with ``backend`` on fake tensors (two blocks stand for all of them; under a
-    fake process group of ``workload.tp`` ranks, see ``trace_model``): ``compiled(role,
-    block)`` after each piece's forward ("embed", "block" with its number from 1, "tail")."""
-    cfg = dataclasses.replace(workload.traced_model, n_layers=min(2, workload.model.n_layers))
-    mb, seq = workload.microbatch_size, workload.seq
-    with fake_parallel_llama(cfg, workload.tp, sequence_parallel=workload.sp) as model:
+    """One forward and backward of one microbatch through ``workload``'s regions, compiled
+    with ``backend`` on fake tensors (under a fake process group of ``workload.tp`` ranks,
+    see ``trace_model``): per block (two blocks stand for all of them), ``compiled(role,
+    index)`` after each region's forward ("embed", "block" with its number from 1,
+    "tail"), or per stage ("stage" and its index). The model is laid out as
+    ``workload.layout`` says; with ``workload.vocab_parallel_loss`` the tail's forward and
+    the backward run under ``loss_parallel()`` (its docs: the backward must run under it
+    too)."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    per_stage = workload.regions == "stage"
+    layers = workload.model.n_layers if per_stage else min(2, workload.model.n_layers)
+    cfg = dataclasses.replace(workload.traced_model, n_layers=layers)
+    vocab_parallel = workload.vocab_parallel_loss
+    recompute = workload.recompute == "full"
+    with fake_parallel_llama(cfg, workload.tp, sequence_parallel=workload.sp,
+                             layout=workload.layout, loss_parallel=vocab_parallel) as model:
+        tokens = torch.zeros(workload.microbatch_size, workload.seq, dtype=torch.long)
+        parallel = loss_parallel() if vocab_parallel else contextlib.nullcontext()
+        if per_stage:
+            last = workload.pp - 1
+            h = tokens
+            with parallel:
+                for s, share in enumerate(workload.stage_layers):
+                    # Each stage compiles in a process of its own in a pipeline: Dynamo
+                    # recompiling one stage's code for the next fails (torch 2.13: a
+                    # RecursionError tracing the second stage's joint graph).
+                    torch._dynamo.reset()
+                    stage = _Stage(model, share, s == 0, s == last, recompute)
+                    h = torch.compile(stage, backend=backend)(h, tokens, model.rope_cos,
+                                                              model.rope_sin)
+                    compiled("stage", s)
+                h.backward()
+            return
         embed = torch.compile(model.tok_embeddings, backend=backend)
-        blocks = [torch.compile(block, backend=backend) for block in model.layers]
+        blocks = [torch.compile(_Block(block, recompute), backend=backend)
+                  for block in model.layers]
         tail = torch.compile(_Tail(model), backend=backend)
-        h = embed(torch.zeros(mb, seq, dtype=torch.long))
+        h = embed(tokens)
         compiled("embed", 0)
         for i, block in enumerate(blocks, start=1):
             h = block(h, model.rope_cos, model.rope_sin)
             compiled("block", i)
-        loss = tail(h, torch.zeros(mb, seq, dtype=torch.long))
-        compiled("tail", 0)
-        loss.backward()
+        with parallel:
+            loss = tail(h, tokens)
+            compiled("tail", 0)
+            loss.backward()
 
 
 def compile_microbatch(workload: Workload, backend: KareusBackend) -> None:
-    """``run_microbatch`` as ``trace_model`` runs it: under a fake process group of
+    """``run_microbatch`` as ``trace_stages`` runs it: under a fake process group of
     ``workload.tp`` ranks, Dynamo reset before and after; what a compile of the workload
     with any options (a ``plan`` kareus plan wrote) does to its graphs."""
-    with _fake_group(workload.tp), _fresh_dynamo():
+    with fake_group(workload.tp), _fresh_dynamo():
         run_microbatch(workload, backend)
 
 
@@ -225,6 +312,30 @@ def _trace(workload: Workload, backend: KareusBackend) -> TracedModel:
 
     run_microbatch(workload, backend, compiled)
     return TracedModel(**{role: found.piece(role, region) for role, region in regions.items()})
+
+
+def _trace_by_stage(workload: Workload, backend: KareusBackend) -> tuple[StageGraphs, ...]:
+    """Each stage's one forward and one backward graph: stages of one shape (neither first
+    nor last, as many layers) run the graphs Dynamo compiled for the first of them."""
+    found = _Regions(backend.planner)
+    regions: list[int] = []
+    last = workload.pp - 1
+    shapes = [(s == 0, s == last, len(r)) for s, r in enumerate(workload.stage_layers)]
+
+    def compiled(role: str, s: int) -> None:
+        earlier = shapes.index(shapes[s])
+        if earlier < s:
+            found.none_new(f"stage {s} (as stage {earlier})")
+            regions.append(regions[earlier])
+        else:
+            regions.append(found.new_forward(f"stage {s}"))
+
+    run_microbatch(workload, backend, compiled)
+    stages = []
+    for s, (layers, region) in enumerate(zip(workload.stage_layers, regions, strict=True)):
+        piece = found.piece(f"stage{shapes.index(shapes[s])}", region)
+        stages.append(StageGraphs(s, layers, ((piece.forward, 1),), ((piece.backward, 1),)))
+    return tuple(stages)
 
 
 class _Regions:
@@ -273,8 +384,9 @@ class _Regions:
 
 
 @contextlib.contextmanager
-def _fake_group(tp: int) -> Iterator[None]:
-    """A fake default process group of ``tp`` ranks (this is rank 0) for the duration."""
+def fake_group(tp: int) -> Iterator[None]:
+    """A fake default process group of ``tp`` ranks (this is rank 0) for the duration (one
+    already made, fake and of that size, is used as it is)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():

@@ -12,6 +12,7 @@ from kareus.offline.models import (
     HFConfigError,
     MissingDependencyError,
     UnknownModelError,
+    artifact_first_stage_layers,
     from_hf_config,
     preset,
     resolve_model,
@@ -57,6 +58,16 @@ def test_an_unknown_model_lists_the_presets(spec):
     assert all(name in str(raised.value) for name in PRESETS)
     with pytest.raises(UnknownModelError, match="presets: llama3.2-1b"):
         preset(spec)
+
+
+@pytest.mark.parametrize("name, pp, first", [
+    ("llama3.2-3b", 2, 15), ("qwen3-1.7b", 2, 15), ("llama3.2-3b", 4, None),
+    ("llama3.1-8b", 2, None),
+])
+def test_the_artifacts_stage_split_is_known_where_it_ran_the_preset(name, pp, first):
+    """Its Megatron configs give num_layers_in_first_pipeline_stage: 15 for both 28-layer
+    models at PP2 (ml-energy/kareus tests/artifact/conf/megatron_*_config.yaml)."""
+    assert artifact_first_stage_layers(name, pp) == first
 
 
 def test_a_preset_resolves_by_name():

@@ -15,7 +15,7 @@ from kareus.cli import main
 from kareus.errors import KareusError
 from kareus.models.llama import LlamaConfig
 from kareus.offline.plan import plan_offline, step_plan
-from kareus.offline.suite import QUICK, run_suite
+from kareus.offline.suite import MATRIX, QUICK, run_suite
 from kareus.offline.trace import compile_microbatch, trace_stages
 from kareus.offline.workload import Workload
 from kareus.planner.budget import Budget, BudgetError
@@ -51,6 +51,9 @@ def test_the_quick_bench_orders_its_frontiers_and_writes_its_results(tmp_path):
         times = [p["time_s"] for p in points]
         assert times == sorted(times)  # fastest first
     assert "modelled" in data and result["metrics"]["kareus_vs_perseus"]["points"]
+    # the quick case is traced as Megatron runs it, and its result says so
+    assert {k: result["workload"][k] for k in ("layout", "loss", "stage_layers")} == {
+        "layout": "megatron", "loss": "vocab-parallel", "stage_layers": [8, 8]}
 
 
 def test_a_plan_json_loads_in_a_matching_compile_and_is_refused_by_other_shapes(
@@ -118,6 +121,11 @@ def test_a_budget_outside_the_frontier_states_the_range(stages):
     (["llama3.2-1b", "--device", "nvml"], "simulated"),
     (["llama3.2-1b", "--json", "{tmp}/a-file/plan.json"], "cannot write there"),
     (["llama3.2-1b", "--json", "{tmp}"], "is a directory"),
+    (["llama3.2-1b", "--pp", "2", "--first-stage-layers", "half"],
+     "workload first_stage_layers must be an integer >= 1 or 'even', got 'half'"),
+    (["llama3.2-1b", "--pp", "2", "--first-stage-layers", "16"],
+     "workload first_stage_layers=16 leaves 0 of llama3.2-1b's 16 layers"),
+    (["llama3.2-1b", "--first-stage-layers", "8"], "first_stage_layers=8 needs pp >= 2"),
 ])
 def test_bad_input_is_refused_in_one_line_before_any_work(args, message, capsys, tmp_path):
     (tmp_path / "a-file").write_text("")
@@ -127,6 +135,43 @@ def test_bad_input_is_refused_in_one_line_before_any_work(args, message, capsys,
     assert out.startswith("kareus plan:") and out.count("\n") == 1
     assert re.search(message, out), out
     assert not list(tmp_path.glob("*.json"))
+
+
+@pytest.mark.parametrize("argv, layout, shares", [
+    (["llama3.2-3b", "--pp", "2"], "megatron", [15, 13]),
+    (["qwen3-1.7b", "--pp", "2", "--layout", "torchtitan"], "torchtitan", [15, 13]),
+    (["llama3.2-3b", "--pp", "2", "--first-stage-layers", "even"], "megatron", [14, 14]),
+    (["llama3.2-3b", "--pp", "2", "--first-stage-layers", "12"], "megatron", [12, 16]),
+    (["llama3.1-8b", "--pp", "2"], "megatron", [16, 16]),
+    (["llama3.2-3b", "--pp", "4", "--microbatches", "8"], "megatron", [7, 7, 7, 7]),
+])
+def test_kareus_plan_traces_megatron_by_default_with_the_artifacts_split(argv, layout, shares):
+    """The Megatron layout unless --layout torchtitan; the first stage's layers as given,
+    "even", or by default the artifact's where it ran the preset at that pp (15 of 28 at
+    PP2 for the 3B and the 1.7B), else even."""
+    from kareus.cli import parser_for_plan
+    from kareus.offline.cli import traced_words, workload_of
+
+    workload = workload_of(parser_for_plan().parse_args(argv))
+    assert (workload.layout, [len(r) for r in workload.stage_layers]) == (layout, shares)
+    words = traced_words(workload)
+    assert ("Megatron-LM layout" in words) == (layout == "megatron")
+    assert ("torchtitan / Hugging Face layout" in words) == (layout == "torchtitan")
+    assert f"stages of {'/'.join(map(str, shares))} layers" in words
+
+
+def test_the_bench_traces_the_paper_workloads_as_megatron_runs_them():
+    """The artifact's six PP2 cases, each compiled per block and per stage: the Megatron
+    layout and its 15/13 split; the 8B and 70B cases the Megatron layout too."""
+    paper = [c for c in MATRIX if c.pp == 2]
+    assert len(paper) == 12
+    assert {(c.model, c.microbatches, c.seq, c.regions) for c in paper} == {
+        (c.model, c.microbatches, c.seq, regions) for c in paper
+        for regions in ("block", "stage")}
+    for case in MATRIX:
+        workload = case.workload()
+        assert workload.layout == "megatron" and workload.vocab_parallel_loss
+    assert {tuple(len(r) for r in c.workload().stage_layers) for c in paper} == {(15, 13)}
 
 
 def test_a_config_json_that_is_no_decoder_lm_is_refused(tmp_path, capsys):

@@ -1,6 +1,7 @@
 """Tracing a workload's pipeline stages for one rank over fake tensors under a fake process
 group, compiled per block: the stages' instructions (graphs in order, counted), identical
-blocks traced once, and each graph's frontier with its baseline."""
+blocks traced once, each graph's frontier with its baseline, and the collectives of the
+Megatron layout (fused projections, a vocab-parallel tail) against the torchtitan one."""
 
 from __future__ import annotations
 
@@ -125,13 +126,45 @@ def test_a_middle_stage_holds_blocks_only(traced):
     assert _labels(stages[1].backward) == [("block/backward", 1)]
 
 
-def test_full_recompute_runs_the_blocks_forward_again_in_the_backward(traced):
-    first, last = stage_graphs(dataclasses.replace(TINY, recompute="full"), traced[0])
-    assert _labels(first.backward) == [("block/forward", 2), ("block/backward", 2),
-                                       ("embed/backward", 1)]
-    assert _labels(last.backward) == [("tail/backward", 1), ("block/forward", 1),
-                                      ("block/backward", 1)]
-    assert first.forward == stage_graphs(TINY, traced[0])[0].forward
+@pytest.fixture(scope="module")
+def recomputed(tmp_path_factory):
+    """The tiny workload with full recomputation: every block checkpointed."""
+    workload = dataclasses.replace(TINY, recompute="full")
+    result = trace_model(workload, DEVICE, cache_dir=tmp_path_factory.mktemp("store"),
+                         search_budget=BUDGET)
+    return result, kareus.graph_reports()
+
+
+def test_full_recompute_checkpoints_blocks_their_backward_recomputing_the_forward(
+    traced, recomputed
+):
+    """Under ``torch.utils.checkpoint`` the block's backward graph runs its forward again
+    (the attention's all-reduce too: the MLP's input needs it; the MLP's own all-reduce
+    feeds nothing the backward reads, and AOT autograd does not recompute it), and the
+    stages count each graph once per layer."""
+    forward = _collectives(recomputed, "block", "forward")
+    assert len(forward) == len(_collectives(traced, "block", "forward")) == 2
+    assert len(_collectives(recomputed, "block", "backward")) == 1 + len(
+        _collectives(traced, "block", "backward"))
+    first, last = stage_graphs(dataclasses.replace(TINY, recompute="full"), recomputed[0])
+    assert _labels(first.backward) == [("block/backward", 2), ("embed/backward", 1)]
+    assert _labels(last.backward) == [("tail/backward", 1), ("block/backward", 1)]
+
+
+def test_a_stage_compiled_as_one_region_is_one_graph_each_way(tmp_path):
+    """Compiled per stage, each stage is one forward and one backward graph holding all
+    its blocks (and the embedding or the tail), their collectives all split in two."""
+    workload = dataclasses.replace(TINY, regions="stage", recompute="full")
+    first, last = trace_stages(workload, DEVICE, cache_dir=tmp_path, search_budget=BUDGET)
+    assert _labels(first.forward) == [("stage0/forward", 1)]
+    assert _labels(last.backward) == [("stage1/backward", 1)]
+    reports = {r.key: r for r in kareus.graph_reports()}
+    stage0 = reports[first.forward[0][0].graph_hash]
+    assert [c.kind for c in stage0.collectives] == ["all_reduce"] * 5  # embed + 2 blocks
+    for graphs in (first.forward, first.backward, last.forward, last.backward):
+        report = reports[graphs[0][0].graph_hash]
+        assert report.coverage.split == report.coverage.total > 0, report.coverage
+        assert 2 in report.variants.nanobatches
 
 
 def test_a_block_fed_a_received_activation_is_the_same_graph(traced, fake_pg):
@@ -142,7 +175,7 @@ def test_a_block_fed_a_received_activation_is_the_same_graph(traced, fake_pg):
     cfg = dataclasses.replace(TINY.traced_model, n_layers=1)
     with fake_parallel_llama(cfg, 2) as llama:
         h = torch.empty(2, 16, cfg.dim, requires_grad=True)
-        graphs = analysed(llama.layers[0], h, llama.rope_cos, llama.rope_sin)
+        graphs = analysed(llama.layers[0], h, llama.rope_cos, llama.rope_sin, pieces=2)
     assert [a.key for _, a in graphs] == [model.block.forward.graph_hash,
                                           model.block.backward.graph_hash]
 
@@ -161,3 +194,55 @@ def test_a_process_group_of_another_size_is_refused(fake_pg, tmp_path):
     with pytest.raises(TraceError, match=r"\(fake, 2 ranks\) is not a fake one of tp=4"):
         trace_model(dataclasses.replace(TINY, tp=4, model=dataclasses.replace(
             MODEL, n_heads=4, n_kv_heads=4)), DEVICE, cache_dir=tmp_path)
+
+
+MEGATRON = dataclasses.replace(TINY, layout="megatron",
+                               model=dataclasses.replace(MODEL, qk_norm=True))
+
+
+@pytest.fixture(scope="module")
+def megatron_traced(tmp_path_factory):
+    """The tiny workload, Qwen3's query/key norms on, traced in the Megatron layout."""
+    result = trace_model(MEGATRON, DEVICE, cache_dir=tmp_path_factory.mktemp("store"),
+                         search_budget=BUDGET)
+    return result, kareus.graph_reports()
+
+
+def _collectives(traced, piece: str, kind: str):
+    model, reports = traced[0], traced[1]
+    key = getattr(getattr(model, piece), kind).graph_hash
+    return {r.key: r for r in reports}[key].collectives  # the process's reports, by graph
+
+
+@pytest.mark.parametrize("kind, megatron, torchtitan", [
+    ("forward", ["all_reduce"] * 2, ["all_reduce"] * 2),
+    ("backward", ["all_reduce"] * 2, ["all_reduce"] * 5),
+])
+def test_a_megatron_layout_block_all_reduces_twice_each_way(
+    traced, megatron_traced, kind, megatron, torchtitan
+):
+    """Fused QKV and gate-up: one input-gradient all-reduce per column-parallel projection
+    (2), where torchtitan's separate q, k, v, gate and up projections take 5."""
+    assert [c.kind for c in _collectives(megatron_traced, "block", kind)] == megatron
+    assert [c.kind for c in _collectives(traced, "block", kind)] == torchtitan
+
+
+def test_a_vocab_parallel_tail_gathers_no_logits(traced, megatron_traced):
+    """The Megatron layout's tail leaves the logits sharded on the vocabulary: its loss
+    all-reduces a value per token (the max, the sum of exponentials, the target's logit),
+    where the torchtitan layout's all-gathers every token's logits."""
+    tokens = TINY.microbatch_size * TINY.seq
+    vocab_parallel = _collectives(megatron_traced, "tail", "forward")
+    assert [c.kind for c in vocab_parallel] == ["all_reduce"] * 3
+    assert all(c.payload_bytes == 4 * tokens for c in vocab_parallel)  # fp32 per token
+    (gather,) = _collectives(traced, "tail", "forward")
+    assert gather.kind == "all_gather" and gather.payload_bytes == 2 * tokens * MODEL.vocab_size
+    # the output projection's input gradient, as before
+    assert [c.kind for c in _collectives(megatron_traced, "tail", "backward")] == ["all_reduce"]
+
+
+def test_the_first_stage_holds_the_layers_given(traced):
+    first, last = stage_graphs(dataclasses.replace(TINY, first_stage_layers=1), traced[0])
+    assert (first.layers, last.layers) == (range(1), range(1, 3))
+    assert _labels(first.forward) == [("embed/forward", 1), ("block/forward", 1)]
+    assert _labels(last.forward) == [("block/forward", 2), ("tail/forward", 1)]

@@ -1,5 +1,6 @@
 """Workloads: checked when made, each error naming its field; stages' shares of the
-layers."""
+layers, evenly or with the first stage's given (Megatron's
+num_layers_in_first_pipeline_stage); the layout traced."""
 
 from __future__ import annotations
 
@@ -34,6 +35,17 @@ def _workload(**fields):
     ({"sp": 1}, "workload sp must be True or False, got 1"),
     ({"recompute": "selective"}, "workload recompute must be one of 'none', 'full'"),
     ({"name": ""}, "workload name must be a non-empty string"),
+    ({"layout": "nemo"}, "workload layout must be one of 'torchtitan', 'megatron', got 'nemo'"),
+    ({"first_stage_layers": 0, "pp": 2, "microbatches": 2},
+     "workload first_stage_layers must be an integer >= 1 or None, got 0"),
+    ({"first_stage_layers": True, "pp": 2, "microbatches": 2},
+     "workload first_stage_layers must be an integer >= 1 or None, got True"),
+    ({"first_stage_layers": 2}, "workload first_stage_layers=2 needs pp >= 2"),
+    ({"first_stage_layers": 4, "pp": 2, "microbatches": 2},
+     "workload first_stage_layers=4 leaves 0 of tiny's 4 layers for the 1 later stage(s)"),
+    ({"first_stage_layers": 1, "pp": 3, "microbatches": 3},
+     ("workload first_stage_layers=1 leaves 3 of tiny's 4 layers for the 2 later stage(s): "
+      "each needs at least one, and they split them evenly")),
 ])
 def test_a_workload_that_cannot_be_laid_out_is_refused_naming_the_field(fields, message):
     with pytest.raises(WorkloadError, match=re.escape(message)):
@@ -67,3 +79,30 @@ def test_the_traced_model_is_as_long_as_the_sequence():
 def test_a_workload_of_a_preset():
     w = Workload.of("llama3.2-3b", tp=8, pp=2, microbatches=8, microbatch_size=8, seq=4096)
     assert (w.name, w.model.n_kv_heads, len(w.stage_layers[0])) == ("llama3.2-3b", 8, 14)
+
+
+@pytest.mark.parametrize("n_layers, pp, first, shares", [
+    (28, 2, 15, [15, 13]),
+    (28, 2, None, [14, 14]),
+    (28, 3, 10, [10, 9, 9]),
+    (10, 4, 4, [4, 2, 2, 2]),
+    (4, 1, None, [4]),
+])
+def test_the_first_stage_holds_the_layers_given_and_the_others_split_the_rest(
+    n_layers, pp, first, shares
+):
+    stages = stage_layers(n_layers, pp, first)
+    assert [len(r) for r in stages] == shares
+    assert [i for r in stages for i in r] == list(range(n_layers))
+
+
+def test_a_workload_splits_its_stages_as_given_and_says_what_it_traces():
+    w = Workload.of("llama3.2-3b", tp=8, pp=2, microbatches=8, microbatch_size=8, seq=4096,
+                    layout="megatron", first_stage_layers=15)
+    assert [len(r) for r in w.stage_layers] == [15, 13]
+    assert w.vocab_parallel_loss
+    assert w.describe().items() >= {"layout": "megatron", "loss": "vocab-parallel",
+                                    "first_stage_layers": 15, "stage_layers": [15, 13]}.items()
+    plain = Workload.of("llama3.2-3b", tp=8, pp=2, microbatches=8, seq=4096)
+    assert (plain.layout, plain.vocab_parallel_loss) == ("torchtitan", False)
+    assert plain.describe()["loss"] == "replicated logits"
