@@ -127,7 +127,7 @@ from kareus.passes.collectives import find_collectives
 from kareus.passes.decide import Policy, decide
 from kareus.passes.ops import DEFAULT_CLOCK_MHZ
 from kareus.passes.variants import PartitionChoices
-from kareus.profiler.workloads import partition_workload
+from kareus.profiler.workloads import Lower, partition_workload
 from kareus.runtime import use_controller
 from kareus.runtime.communicators import graph_backend
 from kareus.verify import outputs_mismatch, scaled_error, state_outputs, tolerance
@@ -288,10 +288,16 @@ class Lowered:
     run: Callable[[list[Any]], Any]
 
 
+def applied_graph(graph: StepGraph, k: int) -> torch.fx.GraphModule:
+    """``graph`` at ``k`` as the backend applies it: decided (the default variant) and
+    applied; what the model costs (``fidelity.py`` re-predicts records from it)."""
+    return apply(graph.gm, graph.analysis, decide(graph.analysis, Policy(k)).choice)
+
+
 def lowered(graph: StepGraph, k: int, sim: SimulatedGPU) -> Lowered:
-    """``graph`` at ``k`` as the backend runs it: decided (the default variant), applied,
-    costed by the model (before Inductor, which rewrites the graph in place) and lowered."""
-    applied = apply(graph.gm, graph.analysis, decide(graph.analysis, Policy(k)).choice)
+    """``graph`` at ``k`` as the backend runs it: applied (``applied_graph``), costed by the
+    model (before Inductor, which rewrites the graph in place) and lowered."""
+    applied = applied_graph(graph, k)
     predicted = sim.estimate(applied, 1)
     expected = len(find_collectives(applied.graph))
     with torch._guards.tracing(None):  # outside any compile's context, as GraphBuilder
@@ -408,6 +414,18 @@ def partition_rows(graph: StepGraph) -> Iterator[dict[str, object]]:
                    "slot": c.launch_slots - 1 if k == 1 else default.slots[c.index]}
 
 
+def partition_of(
+    analysis: GraphAnalysis, row: dict[str, object], lower: Lower | None = None
+) -> Workload:
+    """The workload of a row of ``partition_rows`` (``profiler.workloads.partition_workload``,
+    as the profiler measures it), lowered with ``lower`` at its first run; its graph is what
+    the model costs (``fidelity.py`` re-predicts records from it)."""
+    return partition_workload(
+        analysis.partitioning.partitions[row["partition"]], analysis.placements_at(row["k"]),
+        row["k"], row["slot"], lower=lower, table=analysis.table,
+    )
+
+
 # --- the run --------------------------------------------------------------------------------
 
 
@@ -488,11 +506,7 @@ class Check:
         """A partition's workload (``partition_rows``), costed now: its first run lowers it,
         and Inductor rewrites the graph in place."""
         try:
-            workload = partition_workload(
-                analysis.partitioning.partitions[row["partition"]],
-                analysis.placements_at(row["k"]), row["k"], row["slot"],
-                lower=functools.partial(lower, lowering="inductor"), table=analysis.table,
-            )
+            workload = partition_of(analysis, row, functools.partial(lower, lowering="inductor"))
             predicted = self.sim.estimate(workload.gm, 1)
         except Exception as exc:  # noqa: BLE001 - recorded; the other workloads still run
             self.workloads.append({**row, **comparison(None, None), "error": error_text(exc)})
