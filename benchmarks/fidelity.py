@@ -406,7 +406,9 @@ def plan_check_graphs(setup: dict[str, Any]) -> tuple[StepGraph, StepGraph]:
         model = one_rank_tensor_parallel(model, dist.group.WORLD.group_name)
         tokens = torch.randint(0, cfg.vocab_size, (setup["batch"], setup["seq"]))
         try:
-            return step_graphs(model, tokens)
+            # a record from before these fields: the whole model, AOT's own partition
+            return step_graphs(model, tokens, setup.get("regions", "stage"),
+                               setup.get("saved_pieces", 1))
         finally:
             torch._dynamo.reset()
 

@@ -3,6 +3,7 @@
 Run once on a lent GPU (at most 10 minutes); ``benchmarks/fidelity.py`` reads what it writes:
 
     python benchmarks/gpu_plan_check.py                  # GPU: benchmarks/results/h200_default.json
+    python benchmarks/gpu_plan_check.py --regions block --out benchmarks/results/h200_block.json
     python benchmarks/gpu_plan_check.py --tiny --out /tmp/plan_check.json    # CPU mode, anywhere
 
 Rules: default clocks only. The GPU is kareus's "nvml-dry-run" device: its controller takes
@@ -16,9 +17,15 @@ group around each block's attention and MLP (``one_rank_tensor_parallel``: DTens
 the collectives of a one-rank mesh, so ``parallelize_llama`` would leave nothing to split).
 One step (forward, ``.sum().backward()``) through AOT autograd gives the forward and
 backward graphs as Inductor's inner compiler gets them, with the real inputs the step
-passed each. Each graph is analysed, applied at k = 1 (unrewritten: the clock switch only)
-and k = 2 (the default variant: earliest launch slots) and lowered with Inductor, kareus's
-schedule pinned, as the backend lowers it.
+passed each: of the whole model (``--regions stage``, the default: a pipeline stage
+compiled whole, nanobatches passing from block to block) or of one block (``--regions
+block``: each block compiled alone, as torchtitan compiles), the saved values handed to
+the backward in 2 pieces as the backend's partitioner does where it plans
+(``--saved-pieces 2``, the default; 1: AOT's own partition, as the 2026-12-04 record was
+measured, so k = 2 then joins them at the forward's end). Each graph is analysed, applied
+at k = 1 (unrewritten: the clock switch only) and k = 2 (the default variant: earliest
+launch slots) and lowered with Inductor, kareus's schedule pinned, as the backend lowers
+it.
 
 Checks, each recorded:
 
@@ -118,6 +125,7 @@ from torch._inductor.utils import run_and_get_code
 
 from kareus.codegen.apply import apply
 from kareus.codegen.lowering import lower, pinned_schedule_config
+from kareus.codegen.partitioner import partitioner_config
 from kareus.devices import Measurement, SimulatedGPU, Workload
 from kareus.devices.nvml.gpu import NvmlGPU
 from kareus.errors import KareusError
@@ -159,6 +167,8 @@ class Setup:
     seq: int
     device: str  # "cuda" | "cpu"
     fp32: bool = False  # on a GPU too (no TF32): there k = 2 equals k = 1 to verify's tolerance
+    regions: str = "stage"  # the whole model one graph, or "block": each block its own
+    saved_pieces: int = 2  # as the backend partitions where it plans (1: AOT's own partition)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -179,6 +189,8 @@ class Setup:
             "model": dataclasses.asdict(self.cfg),
             "tensor_parallel": "Megatron-style all-reduces on the one-rank group around "
             "each block's attention and MLP (one_rank_tensor_parallel)",
+            "regions": self.regions,
+            "saved_pieces": self.saved_pieces,
         }
 
 
@@ -238,8 +250,19 @@ class StepGraph:
     kwargs: dict[str, Any]
 
 
-def step_graphs(model: torch.nn.Module, tokens: torch.Tensor) -> tuple[StepGraph, StepGraph]:
-    """The forward and backward graphs of one step, run op by op to record their inputs."""
+REGIONS = ("stage", "block")
+
+
+def step_graphs(
+    model: Llama, tokens: torch.Tensor, regions: str = "stage", saved_pieces: int = 1
+) -> tuple[StepGraph, StepGraph]:
+    """The forward and backward graphs of one step, run op by op to record their inputs:
+    the whole model's (``regions`` "stage": one graph each way, as a pipeline stage compiled
+    whole), or its first block's ("block": each block compiled alone, as torchtitan compiles,
+    the rest eager; the blocks' graphs are one), its saved values handed to the backward in
+    ``saved_pieces`` pieces as the kareus backend partitions (``codegen.partitioner``)."""
+    if regions not in REGIONS:
+        raise ValueError(f"regions must be one of {REGIONS}, got {regions!r}")
     seen: list[tuple[torch.fx.GraphModule, tuple[Any, ...], dict[str, Any], list[Any]]] = []
 
     def inner(gm: torch.fx.GraphModule, examples: Sequence[Any], **kwargs: Any):
@@ -253,13 +276,26 @@ def step_graphs(model: torch.nn.Module, tokens: torch.Tensor) -> tuple[StepGraph
         return make_boxed_func(run)
 
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend=functools.partial(compile_fx, inner_compile=inner))
-    compiled(tokens).sum().backward()
+    patches = partitioner_config(saved_pieces, "gpu_plan_check") if saved_pieces > 1 else {}
+    backend = functools.partial(compile_fx, inner_compile=inner, config_patches=patches)
+    if regions == "stage":
+        torch.compile(model, backend=backend)(tokens).sum().backward()
+    else:
+        blocks = list(model.layers)
+        for i, block in enumerate(blocks):
+            model.layers[i] = torch.compile(block, backend=backend, fullgraph=True)
+        try:
+            model(tokens).sum().backward()
+        finally:
+            for i, block in enumerate(blocks):
+                model.layers[i] = block
     kinds = ["backward" if kw.get("is_backward") else "forward" for _, _, kw, _ in seen]
-    if kinds != ["forward", "backward"] or any(len(calls) != 1 for *_, calls in seen):
+    runs = len(model.layers) if regions == "block" else 1
+    if kinds != ["forward", "backward"] or any(len(calls) != runs for *_, calls in seen):
         raise StepCaptureError(
             f"the step gave graphs {kinds} run {[len(c) for *_, c in seen]} times; expected "
-            "one forward and one backward, each run once (a graph break?)"
+            f"one forward and one backward, each run {runs} time(s) (a graph break, or "
+            "blocks compiled apart?)"
         )
     (fw, fw_examples, fw_kwargs, fw_calls), (bw, bw_examples, bw_kwargs, bw_calls) = seen
     forward = analyse(
@@ -464,7 +500,7 @@ class Check:
                 Llama(setup.cfg).to(setup.dtype), dist.group.WORLD.group_name
             )
             tokens = torch.randint(0, setup.cfg.vocab_size, (setup.batch, setup.seq))
-        graphs = step_graphs(model, tokens)
+        graphs = step_graphs(model, tokens, setup.regions, setup.saved_pieces)
         self._lap("capture")
         for graph in graphs:
             self._graph(graph)
@@ -668,6 +704,13 @@ def main(argv: list[str] | None = None) -> int:
                         "the verify option's tolerance")
     parser.add_argument("--code-dir", type=Path,
                         help="write Inductor's code of each step graph there")
+    parser.add_argument("--regions", choices=REGIONS, default="stage",
+                        help="the whole model as one graph (a pipeline stage compiled whole), "
+                        "or each block its own graph, as torchtitan compiles (default stage)")
+    parser.add_argument("--saved-pieces", type=int, choices=(1, 2), default=2,
+                        help="the saved values handed to the backward in 2 pieces, as the "
+                        "backend partitions where it plans, or whole (1: AOT's own "
+                        "partition, as the 2026-12-04 record measured; default 2)")
     parser.add_argument("--replace-h200-record", action="store_true",
                         help=f"let CPU results replace {H200_RECORD}")
     args = parser.parse_args(argv)
@@ -683,7 +726,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cfg, batch, seq = TINY_SIZE if args.tiny else H200_SIZE
     gpu = dry_run_gpu if device == "cuda" else None
-    record = run_check(Setup(cfg, batch, seq, device, args.fp32), args.preset, args.budget_s,
+    record = run_check(Setup(cfg, batch, seq, device, args.fp32, args.regions,
+                             args.saved_pieces), args.preset, args.budget_s,
                        gpu, pynvml_module(), args.code_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2))

@@ -242,3 +242,34 @@ def test_the_fidelity_report_ignores_an_absent_record_and_says_a_cpu_one_measure
     console = Console(file=io.StringIO(), width=200)
     fidelity.print_h200(console, measured)
     assert "no measurement (cpu mode; skipped: " in console.file.getvalue()
+
+
+@pytest.mark.parametrize("regions, blocks", [("block", 1), ("stage", 2)])
+@pytest.mark.parametrize("pieces", [1, 2])
+def test_the_step_is_captured_per_block_or_per_stage_with_saved_values_in_pieces(
+    regions, blocks, pieces
+):
+    """Per block, the graphs are one block's (its 2 all-reduces each way, no embedding);
+    per stage, the whole model's. With 2 pieces the forward returns its saved values as
+    the backend's partitioner hands them over, and the backward takes them."""
+    from probes import fake_world
+
+    from kareus.models.llama import Llama, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(n_layers=2)
+    with fake_world(1) as group:
+        model = gpu_plan_check.one_rank_tensor_parallel(Llama(cfg), group)
+        tokens = torch.randint(0, cfg.vocab_size, (4, 16))
+        forward, backward = gpu_plan_check.step_graphs(model, tokens, regions, pieces)
+    for graph in (forward, backward):
+        reduces = [n for n in graph.gm.graph.nodes
+                   if n.target is torch.ops._c10d_functional.all_reduce.default]
+        assert len(reduces) == 2 * blocks
+    embeds = [n for n in forward.gm.graph.nodes if n.target is torch.ops.aten.embedding.default]
+    assert len(embeds) == (regions == "stage")
+    (returned,) = (n for n in forward.gm.graph.nodes if n.op == "output")
+    names = [a.name for a in returned.args[0] if isinstance(a, torch.fx.Node)]
+    taken = [n.name for n in backward.gm.graph.nodes if n.op == "placeholder"]
+    for side in (names, taken):
+        assert any(name.endswith("_piece1") for name in side) == (pieces == 2), side
