@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from kareus.backend import KareusBackend
@@ -191,7 +192,10 @@ class _Tail(nn.Module):
     """The last stage's tail: final norm, output projection and mean cross-entropy on fp32
     logits. The logits are as ``parallelize_llama`` leaves them: replicated (all-gathered),
     or sharded on the vocabulary with ``loss_parallel``, the cross-entropy then run
-    vocab-parallel under torch's ``loss_parallel()`` (entered by ``run_microbatch``)."""
+    vocab-parallel under torch's ``loss_parallel()`` (entered by ``run_microbatch``) and its
+    replicated loss returned as the plain tensor each rank holds, as Megatron's is. (A
+    DTensor output hands AOT autograd its device mesh as an output, which torch 2.13's
+    partitioner can take for the tangent's: "tangents_2 was invalid, but is output".)"""
 
     def __init__(self, model: Llama) -> None:
         super().__init__()
@@ -199,7 +203,8 @@ class _Tail(nn.Module):
 
     def forward(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         logits = self.output(self.norm(h))
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
 class _Block(nn.Module):
