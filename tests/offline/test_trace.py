@@ -34,7 +34,9 @@ BUDGET = 3
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory):
     """The tiny workload traced once (the module's tests compose it); the reports of the
-    graphs it compiled, and whether it left a process group behind."""
+    graphs it compiled, and whether it left a process group behind. A module fixture is
+    made before the autouse one that clears reports: the earlier module's are cleared here."""
+    kareus.clear_graph_reports()
     result = trace_model(TINY, DEVICE, cache_dir=tmp_path_factory.mktemp("store"),
                          search_budget=BUDGET)
     return result, kareus.graph_reports(), dist.is_initialized()
