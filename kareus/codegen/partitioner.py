@@ -198,7 +198,7 @@ def _saved_in_order(
     (out,) = forward.graph.find_nodes(op="output")
     values = list(out.args[0])
     saved = values[outputs:]
-    tensors = [n for n in saved if not _opaque(n) and not _size(n)]
+    tensors = [n for n in saved if _tensor(n)]
     ordered = tensors + [n for n in saved if _opaque(n)] + [n for n in saved if _size(n)]
     if ordered != saved:
         out.args = (tuple(values[:outputs] + ordered),)
@@ -280,8 +280,6 @@ def cut_saved(
     given.replace_all_uses_with(whole)
     backward.graph.erase_node(given)
     backward.recompile()
-
-
 
 
 def _in_layout(
