@@ -28,7 +28,9 @@ from torch._inductor.compile_fx import compile_fx
 from kareus.codegen.lowering import lower, pinned_schedule_config
 from kareus.codegen.partitioner import partitioner_config
 from kareus.devices.base import Device
-from kareus.options import KareusOptionError, KareusOptions
+from kareus.devices.resolve import check_device
+from kareus.errors import KareusError
+from kareus.options import OPTIONS_FILE_VARIABLE, OPTIONS_VARIABLE, KareusOptionError, KareusOptions
 from kareus.passes.analyse import ForwardInterfaces, analyse
 from kareus.passes.decide import Policy, VariantChooser, decide, earliest_slots, follow
 from kareus.passes.unwrap import opened_notes, unwrap_collectives
@@ -40,7 +42,7 @@ from kareus.planner.step import StepPlanner
 from kareus.profiler.graph import profile
 from kareus.profiler.measure import GpuTime, Protocol
 from kareus.profiler.store import default_cache_dir
-from kareus.reports import GraphReport, ReportBook, modelled_cost
+from kareus.reports import GraphReport, ReportBook, modelled_cost, print_options
 from kareus.runtime import process_runtime
 from kareus.runtime.communicators import graph_backend
 from kareus.runtime.materialise import GraphBuilder, agreed
@@ -76,10 +78,12 @@ class KareusBackend:
         clock_mhz: int | None = None,
         device: Device | None = None,
         protocol: Protocol | None = None,
+        mode: str | None = None,
     ) -> None:
-        self.options = KareusOptions.from_dict(options)
         # A chooser or clock given in code is the policy: only the default one is planned.
         self._policy_in_code = chooser is not earliest_slots or clock_mhz is not None
+        self.options = KareusOptions.resolve(options, mode=mode,
+                                             policy_in_code=self._policy_in_code)
         self.options.check_planning(policy_in_code=self._policy_in_code)
         kwargs = {} if clock_mhz is None else {"clock_mhz": clock_mhz}
         requested = self.options.nanobatches
@@ -91,9 +95,17 @@ class KareusBackend:
         self._reports = ReportBook(self.runtime.backends.next_report, self.options.explain)
         self._planner: StepPlanner | None = None
         self._spend: GpuTime | None = None
+        self._announced = False
+        # What can be refused before any graph is: a device file that is no GPU, a plan
+        # file that is none, or one made for other options or another device.
+        if device is None:
+            check_device(self.options.device)
         self._given_plan = Plan.load(self.options.plan) if self.options.plan else None
         if self._given_plan is not None:
             self.options.check_plan(self._given_plan)
+            if self._device is None:
+                self._device = self.runtime.device(self.options.device, self.options.zeusd_socket)
+            self._given_plan.check_device(self._device, str(self.options.plan))
         self._forwards: dict[int, ForwardInterfaces] = {}  # region -> its forward's interfaces
         self._stages: dict[int, int] = {}  # region -> the pipeline stage it was compiled for
         self._pipeline: PipelinePlanning | None = None
@@ -102,7 +114,7 @@ class KareusBackend:
     @property
     def device(self) -> Device:
         if self._device is None:
-            self._device = self.runtime.device(self.options.device)
+            self._device = self.runtime.device(self.options.device, self.options.zeusd_socket)
         if not self._driving:
             self.runtime.drive(self._device)
             self._driving = True
@@ -136,10 +148,16 @@ class KareusBackend:
         return self._planner
 
     def __call__(
-        self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
+        self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **compile_kwargs: Any
     ) -> Callable[..., Any]:
         """One call per region torch._dynamo captured (between graph breaks)."""
+        if compile_kwargs:  # torch.compile(backend=KareusBackend(...), mode=/options=)
+            raise KareusOptionError(
+                f"torch.compile({', '.join(f'{k}=...' for k in compile_kwargs)}) with a "
+                "KareusBackend object: give them to it, KareusBackend(options, mode=...)"
+            )
         _ = self.device  # opened (a bad one fails) before any graph is touched
+        self._announce()
         if self._given_plan is not None:
             _ = self.planner  # the given plan is the process's from now on
         region = self.runtime.backends.next_region()
@@ -158,8 +176,33 @@ class KareusBackend:
             return compile_fx(
                 gm, example_inputs, inner_compile=inner_compile,
                 config_patches={**pinned_schedule_config(),
-                                **partitioner_config(options.saved_pieces, build())},
+                                **partitioner_config(options.saved_pieces, build()),
+                                **({"max_autotune": True} if options.autotune else {})},
             )
+
+    def _announce(self) -> None:
+        """Say once, on rank 0, what this backend does and how to change it: loudly where
+        nothing was asked of it (the name alone), else on the kareus logger's INFO."""
+        if self._announced:
+            return
+        self._announced = True
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return
+        options = self.options
+        given = options.given()
+        if options.plans(options.plan_counts or (1, 2, 4), policy_in_code=self._policy_in_code):
+            what = f"plans each step on {self.device.name} for {_budget_text(options)}"
+        elif options.plan is not None:
+            what = f"runs the plan {options.plan}"
+        else:
+            what = (f"runs every graph in {options.nanobatches} nanobatch(es), "
+                    f"{'as the policy in code says' if self._policy_in_code else 'unplanned'}")
+        log.log(logging.INFO if given else logging.WARNING,
+                "kareus %s (%s); change it with torch.compile(..., options={...}), $%s or $%s"
+                "; options: %s", build(), what, OPTIONS_VARIABLE, OPTIONS_FILE_VARIABLE,
+                "; ".join(given.values()) or "all defaults")
+        if options.explain:
+            print_options(options)
 
     def _join_pipeline(self, region: int, found: Detection) -> None:
         """Where ``region`` is a pipeline stage's module: name its graphs by the stage and,
@@ -280,6 +323,21 @@ class KareusBackend:
         return self._reports.numbered()
 
 
+def _budget_text(options: KareusOptions) -> str:
+    """What the budget asks, in words."""
+    budget = options.budget
+    if budget.kind == "fastest":
+        asked = "the fastest step"
+    elif budget.kind == "tradeoff":
+        asked = f"the least eta x energy + (1 - eta) x P_max x time, eta = {budget.value:g}"
+    else:
+        amount = (f"{budget.fraction:g} x the baseline's" if budget.fraction is not None
+                  else f"{budget.value:g} {'J' if budget.kind == 'energy' else 's'} of")
+        asked = (f"the least energy within {amount} step time" if budget.kind == "time"
+                 else f"the least time within {amount} step energy")
+    return f"{asked} (nanobatches={options.nanobatches!r})"
+
+
 def _world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
@@ -300,9 +358,12 @@ def current_plan() -> Plan | None:
     return process_runtime().backends.latest_plan
 
 
-def backend_for(options: KareusOptions | Mapping[str, Any] | None) -> KareusBackend:
-    """The backend the registered entry point uses for ``options`` (one per options value)."""
-    return process_runtime().backends.for_options(KareusOptions.from_dict(options), KareusBackend)
+def backend_for(options: KareusOptions | Mapping[str, Any] | None,
+                mode: str | None = None) -> KareusBackend:
+    """The backend the registered entry point uses for ``options`` and torch.compile's
+    ``mode``, with the environment's options (one backend per resolved value)."""
+    return process_runtime().backends.for_options(
+        KareusOptions.resolve(options, mode=mode), KareusBackend)
 
 
 def kareus_backend(
@@ -312,10 +373,33 @@ def kareus_backend(
     options: Mapping[str, Any] | None = None,
     mode: str | None = None,
 ) -> Callable[..., Any]:
-    """The registered ``torch._dynamo`` backend "kareus": one backend per options value."""
-    if mode not in (None, "default"):
-        raise KareusOptionError(
-            f"torch.compile mode {mode!r} is not supported by the kareus backend; "
-            "leave mode unset and pass kareus settings through options={...}"
-        )
-    return backend_for(options)(gm, example_inputs)
+    """The registered ``torch._dynamo`` backend "kareus": one backend per options value.
+
+    torch builds nothing of a backend named by a string before the first graph, so this is
+    where its options (the environment's too), mode, device and plan are checked. What
+    kareus refuses there reaches the user as the ``KareusError`` it is (``surfaced``), not
+    inside dynamo's ``BackendCompilerFailed``."""
+    try:
+        backend = backend_for(options, mode)
+        _ = backend.device
+    except KareusError as exc:
+        raise surfaced(exc) from exc.__cause__
+    return backend(gm, example_inputs)
+
+
+def surfaced(exc: KareusError) -> KareusError:
+    """``exc`` as dynamo lets it through a backend: dynamo re-raises a ``ShortenTraceback``
+    as it is, and wraps any other error in ``BackendCompilerFailed``. The copy is an
+    instance of both ``exc``'s class (``except KareusOptionError`` still catches it) and
+    ``ShortenTraceback``, with ``exc``'s message and attributes."""
+    shorten = getattr(torch._dynamo.exc, "ShortenTraceback", None)
+    if shorten is None or isinstance(exc, shorten):
+        return exc
+    cls = type(exc)
+    kind = type(cls.__name__, (cls, shorten), {"__module__": cls.__module__,
+                                               "__qualname__": cls.__qualname__})
+    copy = kind.__new__(kind, *exc.args)
+    copy.__dict__.update(exc.__dict__)
+    copy.args = exc.args
+    copy.first_useful_frame = None
+    return copy.with_traceback(exc.__traceback__)

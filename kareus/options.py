@@ -6,13 +6,29 @@ the option does not change what a plan chooses); anything else is rejected with 
 that names the key, the bad value and what is accepted, before any graph is touched. The
 options then yield their typed parts once: the lowering, the profiler's settings, the
 budget, the counts a plan chooses among, the plan given, and whether graphs are planned.
+
+Options come from layers, each checked on its own so that an error names where the bad key
+was given: torch.compile's ``mode`` (a preset), the file ``$KAREUS_OPTIONS_FILE`` (TOML or
+JSON), the JSON object ``$KAREUS_OPTIONS``, then the code's ``options={...}``; a later layer
+wins (a budget given in one replaces every budget of the layers below). A framework that
+only names the backend (torchtitan's ``--compile.backend kareus``, a Trainer) thus still
+passes options. ``sources`` says where each value came from.
+
+Two defaults follow the others: where a plan is made (profiling on, no plan given, no
+policy in code), ``nanobatches`` defaults to "auto" and the budget to ``time_budget=1.0``
+(the least energy within the baseline's step time), so the name alone saves energy;
+elsewhere to 1 and no budget, which is plain Inductor.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kareus.errors import KareusError
@@ -26,6 +42,35 @@ if TYPE_CHECKING:
 
 class KareusOptionError(KareusError, ValueError):
     """An option given to the kareus backend is unknown, of the wrong type or out of range."""
+
+
+OPTIONS_VARIABLE = "KAREUS_OPTIONS"
+OPTIONS_FILE_VARIABLE = "KAREUS_OPTIONS_FILE"
+CODE = "code"
+DEFAULT_SOURCE = "default"
+BUDGETS = ("energy_budget", "time_budget", "energy_time_tradeoff")
+
+# torch.compile's modes, as kareus follows them: option values they preset (below any
+# option given), or why a mode does not fit.
+MODES: Mapping[str, Mapping[str, Any]] = {
+    "default": {},
+    "max-autotune": {"search_budget": 64, "autotune": True},
+    "max-autotune-no-cudagraphs": {"search_budget": 64, "autotune": True},
+}
+REFUSED_MODES: Mapping[str, str] = {
+    "reduce-overhead": "it replays CUDA graphs, which would replay kernels without the host "
+    "calls that switch clocks and read energy",
+}
+
+
+class _Default:
+    """The value of an option left unset; ``KareusOptions`` resolves it from the others."""
+
+    def __repr__(self) -> str:
+        return "<default>"
+
+
+DEFAULT: Any = _Default()
 
 
 @dataclass(frozen=True)
@@ -48,14 +93,25 @@ class KareusOptions:
             "or models; auto: this GPU through NVML, else the simulated default",
         },
     )
+    zeusd_socket: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "plans": False,
+            "validate": lambda value: _directory_problem(value),
+            "accepted": "None | a Unix socket path",
+            "doc": "zeusd's socket: where NVML denies this process clock changes, they go "
+            "through Zeus's privileged daemon there (None: $ZEUSD_SOCK_PATH, if set)",
+        },
+    )
     nanobatches: int | str = dataclasses.field(
-        default=1,
+        default=DEFAULT,
         metadata={
             "choices": (1, 2, 4, "auto"),
             "doc": "split every graph where it is safe into this many nanobatches (1: no "
             "rewrite; auto: the plan picks the count per graph); with profiling on, the plan "
             "picks each partition's launch slot and resources and each graph's clock, else "
-            "every collective is issued at its earliest slot",
+            "every collective is issued at its earliest slot; default: auto where a plan is "
+            "made, else 1",
         },
     )
     agreement_timeout_s: float = dataclasses.field(
@@ -138,12 +194,13 @@ class KareusOptions:
         },
     )
     time_budget: float | str | None = dataclasses.field(
-        default=None,
+        default=DEFAULT,
         metadata={
             "validate": lambda value: _budget_problem(time_budget=value),
             "accepted": 'None | a fraction of the baseline\'s step time (1.05) | a time per '
             'step ("1.2 s", "800 ms")',
-            "doc": "run the least-energy plan whose step time fits",
+            "doc": "run the least-energy plan whose step time fits; default: 1.0 where a plan "
+            "is made and no other budget is given; None and no other budget: the fastest plan",
         },
     )
     energy_time_tradeoff: float | None = dataclasses.field(
@@ -198,14 +255,37 @@ class KareusOptions:
         metadata={
             "plans": False,
             "type": bool,
-            "doc": "print a table of the collectives and partitions of every compiled graph",
+            "doc": "print a table of the collectives and partitions of every compiled graph, "
+            "and where each option came from",
+        },
+    )
+    autotune: bool = dataclasses.field(
+        default=False,
+        metadata={
+            "plans": False,
+            "type": bool,
+            "doc": "Inductor's max_autotune for every graph's kernels (what torch.compile's "
+            'mode="max-autotune" sets)',
         },
     )
 
     def __post_init__(self) -> None:
         # However the options are built (from a dict, or directly), a bad value fails here.
+        planned = self.profile != "off" and self.plan is None
+        resolved = {
+            "nanobatches": "auto" if planned else 1,
+            "time_budget": 1.0 if planned and self.energy_budget is None
+            and self.energy_time_tradeoff is None else None,
+        }
+        sources = {}
         for f in dataclasses.fields(self):
+            if getattr(self, f.name) is DEFAULT:
+                object.__setattr__(self, f.name, resolved[f.name])
+                sources[f.name] = DEFAULT_SOURCE
+            else:
+                sources[f.name] = DEFAULT_SOURCE if getattr(self, f.name) == f.default else CODE
             _check(f, getattr(self, f.name))
+        object.__setattr__(self, "_sources", sources)
         problem = _budget_problem(self.energy_budget, self.time_budget, self.energy_time_tradeoff)
         if problem:
             raise KareusOptionError(f"kareus options: {problem}")
@@ -296,25 +376,88 @@ class KareusOptions:
                 and (self.nanobatches != 1 or self.budget.kind != "fastest" or pipelined)
                 and bool(set(counts) & set(space)))
 
+    @property
+    def sources(self) -> Mapping[str, str]:
+        """Option name -> where its value came from: "default", "code", a torch.compile
+        mode, ``$KAREUS_OPTIONS`` or ``$KAREUS_OPTIONS_FILE (<path>)``."""
+        return dict(self._sources)  # type: ignore[attr-defined]
+
+    def given(self) -> dict[str, str]:
+        """The options not left at their defaults, each as ``name=value (source)``."""
+        return {name: f"{name}={getattr(self, name)!r} ({source})"
+                for name, source in self.sources.items() if source != DEFAULT_SOURCE}
+
     @classmethod
     def from_dict(cls, options: Mapping[str, Any] | None) -> KareusOptions:
-        if options is None:
-            return cls()
+        """The options given in code alone (``resolve`` adds the environment's)."""
         if isinstance(options, KareusOptions):
             return options
-        if not isinstance(options, Mapping):
-            raise KareusOptionError(
-                f"kareus options must be a dict, got {type(options).__name__}: {options!r}"
-            )
+        return cls._layered([(CODE, {} if options is None else options)])
+
+    @classmethod
+    def resolve(
+        cls,
+        options: KareusOptions | Mapping[str, Any] | None = None,
+        *,
+        mode: str | None = None,
+        environ: Mapping[str, str] | None = None,
+        policy_in_code: bool = False,
+    ) -> KareusOptions:
+        """The options a backend is built with: torch.compile's ``mode``, then
+        ``$KAREUS_OPTIONS_FILE``, ``$KAREUS_OPTIONS`` (of ``environ``, default
+        ``os.environ``), then ``options`` given in code, each later layer winning.
+        ``policy_in_code``: a chooser or clock given in code replaces the plan, so the
+        defaults are those of no plan. A ``KareusOptions`` given is taken as it is."""
+        if isinstance(options, KareusOptions):
+            return options
+        environ = os.environ if environ is None else environ
+        layers = [(f"torch.compile mode={mode!r}", _mode_options(mode))]
+        layers += _environment_layers(environ)
+        layers.append((CODE, {} if options is None else options))
+        if policy_in_code:
+            layers.insert(0, (DEFAULT_SOURCE, {"nanobatches": 1, "time_budget": None}))
+        return cls._layered(layers)
+
+    @classmethod
+    def _layered(cls, layers: list[tuple[str, Any]]) -> KareusOptions:
+        """Options from ``layers`` (source, mapping), each checked alone, later ones
+        winning; a budget replaces the budgets below it."""
         fields = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(str(k) for k in options if k not in fields)
-        if unknown:
-            raise KareusOptionError(
-                f"unknown kareus option{'s' if len(unknown) > 1 else ''} "
-                f"{', '.join(repr(k) for k in unknown)}; accepted options: "
-                f"{', '.join(sorted(fields))}"
-            )
-        return cls(**options)
+        merged: dict[str, Any] = {}
+        sources: dict[str, str] = {}
+        for source, given in layers:
+            where = "" if source == CODE else f"{source}: "
+            if not isinstance(given, Mapping):
+                raise KareusOptionError(
+                    f"{where}kareus options must be a dict, got {type(given).__name__}: "
+                    f"{given!r}"
+                )
+            unknown = sorted(str(k) for k in given if k not in fields)
+            if unknown:
+                raise KareusOptionError(
+                    f"{where}unknown kareus option{'s' if len(unknown) > 1 else ''} "
+                    f"{', '.join(repr(k) for k in unknown)}; accepted options: "
+                    f"{', '.join(sorted(fields))}"
+                )
+            for name, value in given.items():
+                try:
+                    _check(fields[name], value)
+                except KareusOptionError as exc:
+                    raise KareusOptionError(f"{where}{exc}") from None
+            if any(name in given for name in BUDGETS):
+                for name in BUDGETS:
+                    merged.pop(name, None)
+                    sources.pop(name, None)
+            merged.update(given)
+            sources.update(dict.fromkeys(given, source))
+        try:
+            options = cls(**merged)
+        except KareusOptionError as exc:
+            given = ", ".join(f"{name} ({source})" for name, source in sources.items()
+                              if source not in (CODE, DEFAULT_SOURCE))
+            raise KareusOptionError(f"{exc}{f'; given: {given}' if given else ''}") from None
+        object.__setattr__(options, "_sources", {**options.sources, **sources})
+        return options
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -323,6 +466,64 @@ class KareusOptions:
     def describe(cls) -> dict[str, str]:
         """Option name -> what it does and what it accepts (for help texts)."""
         return {f.name: f"{f.metadata['doc']} ({_accepted(f)})" for f in dataclasses.fields(cls)}
+
+
+def _mode_options(mode: object) -> Mapping[str, Any]:
+    """The option values torch.compile's ``mode`` presets, or why kareus refuses it."""
+    if mode is None:
+        return {}
+    if mode in REFUSED_MODES:
+        raise KareusOptionError(f"torch.compile mode {mode!r} does not fit kareus: "
+                                f"{REFUSED_MODES[mode]}; accepted: {', '.join(map(repr, MODES))}")
+    if mode not in MODES:
+        raise KareusOptionError(f"torch.compile mode {mode!r} is none kareus knows; accepted: "
+                                f"{', '.join(map(repr, MODES))}")
+    return MODES[mode]
+
+
+def _environment_layers(environ: Mapping[str, str]) -> list[tuple[str, Any]]:
+    """The options of ``$KAREUS_OPTIONS_FILE`` and ``$KAREUS_OPTIONS``, each named."""
+    layers = []
+    path = environ.get(OPTIONS_FILE_VARIABLE, "").strip()
+    if path:
+        source = f"${OPTIONS_FILE_VARIABLE} ({path})"
+        layers.append((source, _read_options_file(Path(path), source)))
+    text = environ.get(OPTIONS_VARIABLE, "")
+    if text.strip():
+        layers.append((f"${OPTIONS_VARIABLE}", _parse_json(text, f"${OPTIONS_VARIABLE}")))
+    return layers
+
+
+def _read_options_file(path: Path, source: str) -> Any:
+    """A TOML file (by its ``.toml`` suffix) or else a JSON one."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise KareusOptionError(f"{source}: cannot read it: {exc.strerror or exc}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise KareusOptionError(f"{source}: not UTF-8 text (byte {exc.start}; a binary "
+                                "file?)") from None
+    if path.suffix.lower() != ".toml":
+        return _parse_json(text, source)
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - Python 3.10
+        import tomli as tomllib
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise KareusOptionError(f"{source}: not valid TOML: {exc}") from None
+
+
+def _parse_json(text: str, source: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise KareusOptionError(
+            f"{source}: not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+        ) from None
 
 
 def _device_problem(value: object) -> str | None:

@@ -11,11 +11,14 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.fx
 from rich.console import Console
 from rich.table import Table
+
+if TYPE_CHECKING:
+    from kareus.options import KareusOptions
 
 from kareus.devices.base import Device, Measurement
 from kareus.passes.analyse import GraphAnalysis
@@ -233,8 +236,9 @@ def report_table(report: GraphReport) -> Table:
     if report.estimate is not None:
         e = report.estimate
         title += (
-            f"\non {report.device} at {e.clock_mhz} MHz (modelled): {e.time_s * 1e3:.3f} ms, "
-            f"{e.energy_j * 1e3:.2f} mJ ({e.effective_energy_j * 1e3:.2f} mJ above static)"
+            f"\non {report.device} at {e.clock_mhz} MHz (modelled, per GPU): "
+            f"{e.time_s * 1e3:.3f} ms, {e.energy_j * 1e3:.2f} mJ "
+            f"({e.effective_energy_j * 1e3:.2f} mJ above static)"
         )
     if report.profile_gpu_s:
         title += f"\nprofiling took {report.profile_gpu_s:.1f} GPU-s on this rank"
@@ -287,6 +291,16 @@ def _resources(choices: tuple[int | None, ...]) -> str:
 
 def print_report(report: GraphReport, console: Console | None = None) -> None:
     (console or make_console()).print(report_table(report))
+
+
+def print_options(options: KareusOptions, console: Console | None = None) -> None:
+    """Every option's value and where it came from (``explain``)."""
+    table = Table(title="kareus options")
+    for column in ("option", "value", "from"):
+        table.add_column(column)
+    for name, source in options.sources.items():
+        table.add_row(name, repr(getattr(options, name)), source)
+    (console or make_console()).print(table)
 
 
 def _human_bytes(n: int) -> str:

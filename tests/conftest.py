@@ -80,6 +80,13 @@ def profile_cache_dir(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("KAREUS_CACHE_DIR", str(tmp_path_factory.mktemp("kareus-cache")))
 
 
+@pytest.fixture(autouse=True)
+def no_environment_options(monkeypatch):
+    """Options the environment of whoever runs the tests gives kareus do not reach them."""
+    monkeypatch.delenv("KAREUS_OPTIONS", raising=False)
+    monkeypatch.delenv("KAREUS_OPTIONS_FILE", raising=False)
+
+
 @pytest.fixture
 def fresh_runtime():
     """Devices opened in a test and the default clock controller (an NVML device's, once a

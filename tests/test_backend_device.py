@@ -14,7 +14,7 @@ pytestmark = pytest.mark.usefixtures("fresh_runtime")
 
 
 def test_simulated_device_estimates_each_graph_at_its_default_clock(fake_pg, fresh_runtime):
-    backend = KareusBackend({"device": "sim:a100-sxm4-40gb"})
+    backend = KareusBackend({"device": "sim:a100-sxm4-40gb", "nanobatches": 1, "profile": "off"})
     torch.compile(tp_llama(1), backend=backend)(torch.randint(0, 256, (2, 8))).sum().backward()
     for report in backend.reports():
         assert report.device == "sim:a100-sxm4-40gb"

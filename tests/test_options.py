@@ -41,10 +41,10 @@ def test_custom_gpu_file_is_a_device(tmp_path):
             {"lowerin": "eager"},
             (
                 "unknown kareus option 'lowerin'; "
-                "accepted options: agreement_timeout_s, cache_dir, device, energy_budget, "
-                "energy_time_tradeoff, explain, lowering, microbatches, nanobatches, "
-                "pipeline_schedule, plan, profile, profile_budget_s, search, search_budget, seed, "
-                "time_budget, verify"
+                "accepted options: agreement_timeout_s, autotune, cache_dir, device, "
+                "energy_budget, energy_time_tradeoff, explain, lowering, microbatches, "
+                "nanobatches, pipeline_schedule, plan, profile, profile_budget_s, search, "
+                "search_budget, seed, time_budget, verify, zeusd_socket"
             ),
         ),
         (

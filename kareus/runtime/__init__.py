@@ -37,17 +37,19 @@ class ProcessRuntime:
     """The GPUs whose clocks this process owns: every device opened here records its
     ownership in it, so a second controller of a GPU in this process is refused, and its
     exit guard resets their clocks at exit and on SIGTERM, SIGINT, SIGHUP and SIGQUIT."""
-    _devices: dict[str, Device] = field(default_factory=dict)
+    _devices: dict[tuple[str, str | None], Device] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def device(self, spec: str) -> Device:
-        """One device per spec: NVML is opened (and "auto" decided and logged) once."""
+    def device(self, spec: str, zeusd_socket: str | None = None) -> Device:
+        """One device per spec (and zeusd socket, for a GPU whose clocks NVML does not let
+        this process change): NVML is opened (and "auto" decided and logged) once."""
         from kareus.devices.resolve import resolve_device
 
         with self._lock:
-            if spec not in self._devices:
-                self._devices[spec] = resolve_device(spec, clock_locks=self.clock_locks)
-            return self._devices[spec]
+            if (spec, zeusd_socket) not in self._devices:
+                self._devices[spec, zeusd_socket] = resolve_device(
+                    spec, clock_locks=self.clock_locks, zeusd_socket=zeusd_socket)
+            return self._devices[spec, zeusd_socket]
 
     def drive(self, device: Device) -> None:
         """Let the graphs this process runs switch ``device``'s clocks, where it has clocks

@@ -132,11 +132,15 @@ def agree(
     reason. The participants are the global ranks the groups span (``spanned_ranks``: on
     a grid, its plane); groups of the fake backend and a single participant agree
     trivially, without store traffic. ``store`` defaults to the default process group's
-    store. Returns within about ``timeout_s``; every participant that returns gets the same
-    verdict (see the module docstring). Store errors propagate.
+    store; without a default process group (one process, no torch.distributed) there is
+    no other rank and the verdict is ``agree``. Returns within about ``timeout_s``; every
+    participant that returns gets the same verdict (see the module docstring). Store errors
+    propagate.
     """
     if timeout_s < 0:
         raise NegativeTimeoutError(f"timeout_s must be >= 0, got {timeout_s}")
+    if not dist.is_initialized():  # one process without torch.distributed: nobody to ask
+        return Verdict(True, None)
     # Called while compiling, under the compiler's fake-tensor mode: nothing here creates
     # tensors, and leaving the mode keeps it that way should the store or pickle ever do.
     with unset_fake_temporarily():
