@@ -41,19 +41,26 @@ class NvmlUnavailableError(DeviceError):
         )
 
 
+ZEUSD_HINT = (
+    "let Zeus's privileged daemon zeusd change them for this process: start it (`sudo zeusd "
+    "serve --socket-path /run/zeusd/zeusd.sock`) and set ZEUSD_SOCK_PATH to its socket"
+)
 CLOCK_PERMISSION_HINT = (
     "locking GPU clocks needs root or the CAP_SYS_ADMIN capability: run the job as root (or "
-    "grant CAP_SYS_ADMIN to the container), or route clock changes through a privileged "
-    f"daemon such as Zeus's zeusd, {DRY_RUN_HINT}"
+    f"grant CAP_SYS_ADMIN to the container), or {ZEUSD_HINT}, {DRY_RUN_HINT}"
 )
 
 
 class ClockPermissionError(DeviceError):
-    """Locking clocks needs privileges this process does not have (NVML_ERROR_NO_PERMISSION)."""
+    """Locking clocks needs privileges this process does not have (NVML_ERROR_NO_PERMISSION).
 
-    def __init__(self, gpu: str) -> None:
+    ``zeusd`` says why zeusd, where one was configured, did not take over.
+    """
+
+    def __init__(self, gpu: str, zeusd: str | None = None) -> None:
+        tried = f" zeusd did not take over ({zeusd})." if zeusd else ""
         super().__init__(
-            f"No permission to change the SM clock of {gpu} (NVML_ERROR_NO_PERMISSION). "
+            f"No permission to change the SM clock of {gpu} (NVML_ERROR_NO_PERMISSION).{tried} "
             f"{CLOCK_PERMISSION_HINT[0].upper()}{CLOCK_PERMISSION_HINT[1:]}."
         )
 
@@ -115,6 +122,81 @@ class ClockResetError(DeviceError):
             f"FAILED to reset the SM clock of {gpu} to its default ({cause}). The lock "
             "persists until reset or driver reload and slows every later job on this GPU: "
             f"reset it now with `sudo nvidia-smi -i {index} -rgc`."
+        )
+
+
+class ZeusdError(DeviceError):
+    """A request to zeusd, the privileged daemon that locks clocks for this process where NVML
+    denies it permission (``devices.nvml.zeusd``), failed; ``socket_path`` is where it went.
+
+    Each concrete class is also the clock error it stands for, so a caller that handles
+    ``ClockPermissionError`` or ``ClockControlError`` handles it too. Their messages are the
+    daemon's story, not NVML's, so they build it themselves; ``reason`` is its gist.
+    """
+
+    socket_path: str
+    reason: str
+
+
+class ZeusdUnreachableError(ZeusdError, ClockPermissionError):
+    """zeusd did not answer its first request (no socket, nobody listening, or no answer in
+    time): this process can change clocks neither through NVML nor through it."""
+
+    def __init__(self, socket_path: str, request: str, cause: BaseException) -> None:
+        self.socket_path = socket_path
+        self.reason = f"zeusd cannot be reached at {socket_path} ({cause})"
+        DeviceError.__init__(
+            self,
+            f"This process may not change GPU clocks through NVML (NVML_ERROR_NO_PERMISSION), "
+            f"and zeusd, the daemon that would, cannot be reached at {socket_path} to "
+            f"{request} ({type(cause).__name__}: {cause}). Start zeusd on that socket (`sudo "
+            f"zeusd serve --socket-path {socket_path}`) or set ZEUSD_SOCK_PATH to the socket "
+            "it serves; otherwise run the job as root or with CAP_SYS_ADMIN, "
+            f"{DRY_RUN_HINT}.",
+        )
+
+
+ZEUSD_STATUS_HINTS = {
+    401: "zeusd requires a token: set ZEUSD_TOKEN to one with the gpu-control scope",
+    403: "a token needs the gpu-control scope (ZEUSD_TOKEN), and zeusd must run as root",
+    404: (
+        "this zeusd serves no gpu-control routes: start it with `--enable gpu-control` (on by "
+        "default); a zeusd older than 0.3 (Zeus 0.14) speaks an older API, upgrade it"
+    ),
+}
+"""What to do about an HTTP status zeusd answers for reasons of its own, not NVML's."""
+
+
+class ZeusdRefusedError(ZeusdError, ClockControlError):
+    """zeusd answered a clock request with an HTTP error; ``status`` and ``daemon_message``
+    (the body it sent: NVML's error on its side, a bad request, an auth failure) say why."""
+
+    def __init__(self, socket_path: str, request: str, status: int, daemon_message: str) -> None:
+        self.socket_path = socket_path
+        self.status = status
+        self.daemon_message = daemon_message
+        self.reason = f"zeusd at {socket_path} answered HTTP {status}: {daemon_message}"
+        hint = ZEUSD_STATUS_HINTS.get(status)
+        DeviceError.__init__(
+            self,
+            f"zeusd at {socket_path} refused to {request}: HTTP {status}: {daemon_message}"
+            + (f" ({hint})." if hint else "."),
+        )
+
+
+class ZeusdDiedError(ZeusdError, ClockControlError):
+    """zeusd, which had answered this process before, stopped answering (it exited, its
+    socket is gone, or it hangs past the timeout): the clocks stay where it last put them."""
+
+    def __init__(self, socket_path: str, request: str, index: int, cause: BaseException) -> None:
+        self.socket_path = socket_path
+        self.reason = f"zeusd at {socket_path} stopped answering ({cause})"
+        DeviceError.__init__(
+            self,
+            f"zeusd at {socket_path} stopped answering; it was asked to {request} "
+            f"({type(cause).__name__}: {cause}). The SM clock of GPU {index} stays where zeusd "
+            "last set it: restart zeusd on that socket (kareus's next request, and its reset at "
+            f"exit, go through it), or reset the clock with `sudo nvidia-smi -i {index} -rgc`.",
         )
 
 

@@ -27,6 +27,15 @@ setting clocks through it raises ``ForkedClockControllerError``; reset and close
 them once (the default clocks are where kareus leaves a GPU anyway). Without permission
 (common on shared clusters) requests for the default clocks then make no NVML call, and a
 request for any other clock raises ``ClockPermissionError``.
+
+Where NVML denies permission and zeusd, Zeus's privileged daemon, is at hand (its socket
+passed as ``zeusd_socket``, else in ``ZEUSD_SOCK_PATH``; ``devices.nvml.zeusd``), clocks are
+locked and reset through zeusd instead, from the same threads as NVML calls (so the
+controller's reset at exit and on signals goes through it too): the probe's reset, or the
+first lock NVML refuses, tries zeusd, and once zeusd has answered every later switch goes
+to it. An INFO line says once which way clocks are set. A controller whose probe found
+neither NVML nor zeusd willing gives up the GPU's ownership as before and never turns to
+zeusd later (it would change clocks it does not own); a WARNING says why zeusd failed.
 """
 
 from __future__ import annotations
@@ -51,11 +60,13 @@ from kareus.devices.errors import (
     MigClockControlError,
     StaleClockLockError,
     UnsupportedClockError,
+    ZeusdError,
     nvml_error_code,
 )
 from kareus.devices.nvml import ownership
 from kareus.devices.nvml.driver import nvml_text
 from kareus.devices.nvml.exit_guard import ExitGuard
+from kareus.devices.nvml.zeusd import DEFAULT_TIMEOUT_S, ZeusdClient, zeusd_socket_path
 from kareus.passes.ops import DEFAULT_CLOCK_MHZ
 
 if TYPE_CHECKING:
@@ -117,7 +128,9 @@ class NvmlClockController:
     controller is reset at exit and on fatal signals by ``held``'s exit guard (by a guard
     of its own without ``held``) until ``close``.
     ``dry_run`` runs the same path (validation, events, thread) but only records switches;
-    it takes no ownership.
+    it takes no ownership. Where NVML denies this process clock changes, they go through
+    zeusd at ``zeusd_socket`` (None: ``$ZEUSD_SOCK_PATH``, if set), each request given
+    ``zeusd_timeout_s`` to answer.
     """
 
     def __init__(
@@ -133,6 +146,8 @@ class NvmlClockController:
         reset_at_exit: bool = True,
         lock_dir: str | os.PathLike[str] | None = None,
         held: ownership.HeldClockLocks | None = None,
+        zeusd_socket: str | os.PathLike[str] | None = None,
+        zeusd_timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
         self._nvml = nvml
         self._handle = handle
@@ -159,6 +174,12 @@ class NvmlClockController:
         self._pid = os.getpid()
         self.switches: list[ClockSwitch] = []
         """Switches applied (or, in a dry run, that would have been), in order."""
+        self._zeusd_socket = zeusd_socket_path(zeusd_socket)
+        self._zeusd_timeout_s = zeusd_timeout_s
+        self._zeusd: ZeusdClient | None = None
+        """Set once zeusd has set clocks NVML denied this process; then it sets them all."""
+        self._zeusd_failure: str | None = None
+        self._route: str | None = None
         self.lock_path = ownership.lock_path(ownership.lock_dir(lock_dir), self._uuid(), index)
         """This GPU's lock file (owned unless ``dry_run``)."""
         self._owner: ownership.Ownership | None = None
@@ -178,6 +199,11 @@ class NvmlClockController:
         return self._applied
 
     @property
+    def clock_route(self) -> str | None:
+        """How clocks were last set: "nvml", "zeusd", or None before the first setter call."""
+        return self._route
+
+    @property
     def owns_clocks(self) -> bool:
         """Whether this controller holds the GPU's clock ownership (never in a dry run)."""
         return self._owner is not None and self._owner.held and not self._forked()
@@ -189,16 +215,21 @@ class NvmlClockController:
         not change counts as there: it cannot be changed), so requests for them make no
         NVML call until another clock is locked. Only NVML_ERROR_NO_PERMISSION answers
         "no"; the controller then gives up the GPU's lock file (it will never change the
-        clocks, so another job on the GPU, with or without permission, may own them). After
-        any other failure the clocks stay unknown and the first request goes to NVML,
-        which then raises what is wrong, as without a probe. A dry run, or a forked child,
-        calls nothing and answers "yes".
+        clocks, so another job on the GPU, with or without permission, may own them). With
+        zeusd configured, the reset NVML denies goes to zeusd: "yes" if zeusd did it, "no"
+        (with a WARNING saying why) if it failed. After any other failure the clocks stay
+        unknown and the first request goes to NVML, which then raises what is wrong, as
+        without a probe. A dry run, or a forked child, calls nothing and answers "yes".
         """
         if self.dry_run or self._forked():
             return True
         with self._apply_lock:
             try:
-                self._nvml.nvmlDeviceResetGpuLockedClocks(self._handle)
+                self._set_clocks(None)
+            except ZeusdError as exc:
+                logger.warning("%s: clocks cannot be locked through zeusd: %s", self.gpu, exc)
+                self._zeusd_failure = exc.reason
+                allowed = False
             except Exception as exc:  # noqa: BLE001 - reported by the first request instead
                 if nvml_error_code(exc) != self._nvml.NVML_ERROR_NO_PERMISSION:
                     logger.info("%s: resetting clocks at open failed (%s)", self.gpu, exc)
@@ -211,6 +242,7 @@ class NvmlClockController:
                 self._applied = self._requested = DEFAULT_CLOCK_MHZ
             if not allowed:
                 self._release_ownership()
+                self._zeusd_socket = None  # clocks given up: zeusd may not change them either
         return allowed
 
     def set_clock(self, graph: str, mhz: int) -> None:
@@ -310,8 +342,8 @@ class NvmlClockController:
             )
             return
         try:
-            self._nvml.nvmlDeviceResetGpuLockedClocks(self._handle)
-        except self._nvml.NVMLError as exc:
+            self._set_clocks(None)
+        except (self._nvml.NVMLError, ZeusdError) as exc:
             if nvml_error_code(exc) == self._nvml.NVML_ERROR_NOT_SUPPORTED:
                 logger.info("%s has no locked clocks (left by %s)", self.gpu, stale.describe())
                 return
@@ -402,12 +434,12 @@ class NvmlClockController:
             return
         if not self.dry_run:
             if mhz == DEFAULT_CLOCK_MHZ:
-                self._nvml_reset()
+                self._reset_clocks()
                 self._record(None)
             else:
                 self._record(mhz)  # before locking: a record may overstate, never miss, a lock
                 try:
-                    self._nvml_lock(mhz)
+                    self._lock_clocks(mhz)
                 except BaseException:
                     self._record(None if self._applied == DEFAULT_CLOCK_MHZ else self._applied)
                     raise
@@ -418,24 +450,67 @@ class NvmlClockController:
         if self._owner is not None:
             self._owner.write(locked_mhz)
 
-    def _nvml_lock(self, mhz: int) -> None:
+    def _lock_clocks(self, mhz: int) -> None:
+        """Lock the SM clock at ``mhz``; NVML's failures become clock errors, zeusd's stay."""
         try:
-            self._nvml.nvmlDeviceSetGpuLockedClocks(self._handle, mhz, mhz)
+            self._set_clocks(mhz)
         except self._nvml.NVMLError as exc:
             code = nvml_error_code(exc)
             if code == self._nvml.NVML_ERROR_NO_PERMISSION:
-                raise ClockPermissionError(self.gpu) from exc
+                raise ClockPermissionError(self.gpu, self._zeusd_failure) from exc
             if code == self._nvml.NVML_ERROR_NOT_SUPPORTED:
                 raise ClockControlUnsupportedError(self.gpu) from exc
             raise ClockControlError(self.gpu, mhz, exc) from exc
 
-    def _nvml_reset(self) -> None:
+    def _reset_clocks(self) -> None:
         try:
-            self._nvml.nvmlDeviceResetGpuLockedClocks(self._handle)
+            self._set_clocks(None)
         except Exception as exc:
             error = ClockResetError(self.gpu, self.index, exc)
             logger.critical("%s", error)
             raise error from exc
+
+    def _set_clocks(self, mhz: int | None) -> None:
+        """Lock the SM clock at ``mhz`` (None: reset it) through NVML, or through zeusd once
+        NVML has denied this process permission; raises NVML's or zeusd's error as it is.
+
+        zeusd is tried only where configured, and no more once a probe found neither way
+        willing (the controller then gave up the GPU's clocks).
+        """
+        if self._zeusd is not None:
+            self._zeusd_set(self._zeusd, mhz)
+            return
+        try:
+            if mhz is None:
+                self._nvml.nvmlDeviceResetGpuLockedClocks(self._handle)
+            else:
+                self._nvml.nvmlDeviceSetGpuLockedClocks(self._handle, mhz, mhz)
+        except self._nvml.NVMLError as exc:
+            denied = nvml_error_code(exc) == self._nvml.NVML_ERROR_NO_PERMISSION
+            if not denied or self._zeusd_socket is None:
+                raise
+            zeusd = ZeusdClient(self._zeusd_socket, timeout_s=self._zeusd_timeout_s)
+            self._zeusd_set(zeusd, mhz)  # a failure leaves NVML the way to try next time
+            self._zeusd = zeusd
+            return
+        self._using("nvml", "NVML")
+
+    def _zeusd_set(self, zeusd: ZeusdClient, mhz: int | None) -> None:
+        if mhz is None:
+            zeusd.reset_gpu_clocks(self.index)
+        else:
+            zeusd.lock_gpu_clocks(self.index, mhz)
+        self._using(
+            "zeusd",
+            f"zeusd at {zeusd.socket_path} (NVML denies this process clock changes: "
+            "NVML_ERROR_NO_PERMISSION)",
+        )
+
+    def _using(self, route: str, description: str) -> None:
+        """Say once (per change) which way this controller sets clocks."""
+        if route != self._route:
+            self._route = route
+            logger.info("%s: setting SM clocks through %s", self.gpu, description)
 
     def _raise_pending_error(self) -> None:
         with self._request_lock:
