@@ -12,7 +12,7 @@ import abc
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch.fx
 
@@ -108,6 +108,53 @@ class Measurement:
         return self.energy_j / self.time_s if self.time_s > 0 else 0.0
 
 
+@dataclass(frozen=True)
+class EnergyReading:
+    """A device's clock and energy counter read at one instant (once the work queued
+    before it ran): a window's measurement is the difference of two."""
+
+    time_s: float  # on the device's timer (seconds, from any origin)
+    energy_j: float  # the counter (joules, from any origin)
+    method: str  # how energy was read ("nvml-energy-counter")
+
+
+@dataclass(frozen=True)
+class StepMeasurement:
+    """What training steps took, measured (not modelled) while the plan ran: Zeus's
+    ``Measurement`` (time in s, energy in J per GPU and in total) of one step, averaged
+    over ``steps`` consecutive steps from ``first_step`` (counted from the process's first
+    step). ``time_s`` is this rank's, from one step's start to the next's;
+    ``gpu_energy_j`` holds, by rank, each GPU's energy per step: this rank's, and every
+    rank's once all of the job's ranks told theirs (``runtime.step_meter``)."""
+
+    first_step: int
+    steps: int
+    time_s: float
+    gpu_energy_j: tuple[tuple[int, float], ...]  # (rank, J per step), by rank
+    rank: int
+    world_size: int
+    method: str  # how energy was read ("nvml-energy-counter")
+
+    @property
+    def energy_j(self) -> float:
+        """This rank's GPU's energy per step."""
+        return dict(self.gpu_energy_j)[self.rank]
+
+    @property
+    def total_energy_j(self) -> float | None:
+        """Every GPU of the job's energy per step, summed; None until each rank told its."""
+        if len(self.gpu_energy_j) < self.world_size:
+            return None
+        return sum(j for _, j in self.gpu_energy_j)
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> StepMeasurement:
+        """The record from what ``dataclasses.asdict`` made of it (lists for tuples)."""
+        return cls(raw["first_step"], raw["steps"], raw["time_s"],
+                   tuple((rank, joules) for rank, joules in raw["gpu_energy_j"]),
+                   raw["rank"], raw["world_size"], raw["method"])
+
+
 Resources = Mapping[str, int | None]
 """SM (CTA) cap per collective, keyed by the name of its issuing node in ``Workload.gm``
 (e.g. "all_reduce_3"); a missing key or None means the library's default."""
@@ -190,6 +237,19 @@ class Device(abc.ABC):
         to allow it; its :meth:`search_clocks` is then the default clock alone, so a plan
         changes overlap only. None: clocks can be set (or are modelled)."""
         return None
+
+    def read_energy(self) -> EnergyReading | None:
+        """The device's timer and energy counter now, read once the work queued on it has
+        run (on CUDA: after a synchronize): the two ends of a measured window of training
+        steps (``runtime.step_meter``). None: the device measures nothing while training
+        runs (a model, or a GPU without an energy counter)."""
+        return None
+
+    @property
+    def min_window_s(self) -> float:
+        """The shortest window whose energy :meth:`read_energy` tells well (a GPU's counter
+        updates every 20-100 ms); 0 where it tells none."""
+        return 0.0
 
     @property
     def clock_switch_s(self) -> float:

@@ -7,6 +7,17 @@ frontier and the baseline, the device, the options, the graph hashes, the kareus
 and can be loaded back as the ``plan`` option, which refuses a plan made for other graphs.
 Times and energies are per step and per GPU; every GPU of a symmetric group runs the same.
 
+Once the plan runs on a GPU that reads energy (NVML), ``measured`` holds what its steps
+really took there (``runtime.step_meter``): the plan that ``kareus.current_plan()`` names
+carries the latest window's measurement, and rank 0 stores it with the plan, so that
+``kareus show`` prints it beside the prediction. A measurement is no part of the decision:
+the digest the ranks agree on leaves it out, a plan given as the ``plan`` option (or found
+stored) runs without the measurement of the run that stored it, and a simulated device
+measures nothing (its plan's ``measured`` stays None: every cost of it is modelled). It
+lives in the plan rather than beside it because it means nothing without the prediction
+it is read against, and one record keeps the two together in the process, in the file
+and in what shows it.
+
 A pipeline's plan (``pipeline`` set) is a choice per instruction (stage, microbatch,
 forward | backward: a clock and each of its graphs' variants), planned over the
 iteration's DAG (``planner.pipeline``); its costs are per iteration of one pipeline
@@ -27,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kareus.devices.base import Device
+from kareus.devices.base import Device, StepMeasurement
 from kareus.errors import KareusError
 from kareus.passes.decide import Choice
 from kareus.passes.ops import DEFAULT_CLOCK_MHZ
@@ -37,7 +48,10 @@ from kareus.planner.compose import StepPoint, clock_of, step_frontier
 from kareus.planner.graph import GraphFrontier
 
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
-PLAN_SCHEMA = 3  # 2: a graph's choice is one record, the default clock spelled 0; 3: pipelines
+PLAN_SCHEMA = 4
+"""2: a graph's choice is one record, the default clock spelled 0; 3: pipelines; 4: the
+steps measured while it ran (``measured``)."""
+READ_SCHEMAS = (3, PLAN_SCHEMA)  # a schema-3 plan is a schema-4 one that measured nothing
 
 
 class PlanError(KareusError, ValueError):
@@ -139,6 +153,7 @@ class Plan:
     kareus_version: str
     pipeline: PipelineLayout | None = None
     instructions: tuple[InstructionPlan, ...] = ()
+    measured: StepMeasurement | None = None  # on this rank, from the latest window
     schema: int = PLAN_SCHEMA
 
     def instruction(self, stage: int, microbatch: int, kind: str) -> InstructionPlan | None:
@@ -213,8 +228,10 @@ class Plan:
             budget=Budget(**raw["budget"]),
             pipeline=None if raw["pipeline"] is None else PipelineLayout(**raw["pipeline"]),
             instructions=tuple(InstructionPlan.from_dict(i) for i in raw["instructions"]),
+            measured=None if raw.get("measured") is None else StepMeasurement.from_dict(
+                raw["measured"]),
             **{k: raw[k] for k in ("device", "model_version", "static_power_w", "options",
-                                   "kareus_version", "schema")},
+                                   "kareus_version")},
         )
 
     @classmethod
@@ -385,7 +402,16 @@ _BUDGET = {
     "fraction": _Rule(lambda v: v is None or (_finite(v) and v > 0),
                       "a finite number > 0 (of the baseline's) or null"),
 }
-_PLAN = {  # "schema" is checked first: another schema's fields are another's
+_MEASURED = {
+    "first_step": _INDEX,
+    "steps": _COUNT,
+    "time_s": _AMOUNT,
+    "gpu_energy_j": [(_INDEX, _AMOUNT)],  # [rank, J per step] per rank
+    "rank": _INDEX,
+    "world_size": _COUNT,
+    "method": _TEXT,
+}
+_PLAN_3 = {  # "schema" is checked first: another schema's fields are another's
     "graphs": [_GRAPH],
     "predicted": _COST,
     "baseline": {"time_s": _POSITIVE, "energy_j": _POSITIVE},  # budgets are fractions of it
@@ -400,9 +426,11 @@ _PLAN = {  # "schema" is checked first: another schema's fields are another's
     "pipeline": _Nullable(_LAYOUT),
     "instructions": [_INSTRUCTION],
 }
+_PLAN = {**_PLAN_3, "measured": _Nullable(_MEASURED)}
+_PLANS = {3: _PLAN_3, PLAN_SCHEMA: _PLAN}
 assert all(set(fields) == {f.name for f in dataclasses.fields(record)} for record, fields in (
-    (Plan, {*_PLAN, "schema"}), (GraphPlan, _GRAPH), (Choice, _CHOICE),
-    (StepCost, _COST), (Budget, _BUDGET), (PipelineLayout, _LAYOUT),
+    (Plan, {*_PLAN, "schema"}), (StepMeasurement, _MEASURED), (GraphPlan, _GRAPH),
+    (Choice, _CHOICE), (StepCost, _COST), (Budget, _BUDGET), (PipelineLayout, _LAYOUT),
     (InstructionGraph, _INSTRUCTION_GRAPH), (InstructionPlan, _INSTRUCTION),
 )), "every field of a plan needs a rule"
 _BUDGET_FORMS = {  # kind -> which of (value, fraction) it gives
@@ -416,13 +444,23 @@ def _check_plan(raw: object, source: str) -> None:
     """Refuse a plan's JSON that is not what ``Plan.to_json`` writes, naming the field."""
     if not isinstance(raw, dict) or "schema" not in raw:
         raise PlanError(f"{source}: not a kareus plan (no schema field in {reprlib.repr(raw)})")
-    if not _integer(raw["schema"]) or raw["schema"] != PLAN_SCHEMA:
+    if not _integer(raw["schema"]) or raw["schema"] not in READ_SCHEMAS:
         raise PlanError(
             f"{source}: plan schema {raw['schema']!r}, made by another kareus (this one reads "
-            f"schema {PLAN_SCHEMA}); make a new plan: run without the plan option, with the "
-            "same options, and use the plan it stores"
+            f"schemas {' and '.join(map(str, READ_SCHEMAS))}); make a new plan: run without "
+            "the plan option, with the same options, and use the plan it stores"
         )
-    _check({k: v for k, v in raw.items() if k != "schema"}, _PLAN, "", source)
+    _check({k: v for k, v in raw.items() if k != "schema"}, _PLANS[raw["schema"]], "", source)
+    measured = raw.get("measured")
+    if measured is not None:
+        ranks = [rank for rank, _ in measured["gpu_energy_j"]]
+        if measured["rank"] not in ranks or len(set(ranks)) != len(ranks) or max(
+                ranks) >= measured["world_size"]:
+            raise PlanError(
+                f"{source}: measured.gpu_energy_j: {reprlib.repr(ranks)} are not distinct "
+                f"ranks below world_size {measured['world_size']} that include rank "
+                f"{measured['rank']}"
+            )
     budget = raw["budget"]
     given = (budget["value"] is not None, budget["fraction"] is not None)
     if given not in _BUDGET_FORMS[budget["kind"]] or (

@@ -9,10 +9,17 @@ backward, the step is planned; the ranks agree on the plan through the store, it
 stored, and every graph runs its planned choice from its next call on
 (``runtime.selectable``), compiling it then if it is not the one it started with. A second
 run with the same options finds the stored plan, so it compiles only what runs.
+
+Once a plan runs, every call of a planned graph is told to the planner
+(``graph_called``): at the plan's first graph, at the first of a step's microbatches, a step
+starts, and the step meter measures the steps there (``runtime.step_meter``, on a device
+that reads energy); each window it measures is published with the plan
+(``Plan.measured``: what ``kareus.current_plan()`` names) and stored with it by rank 0.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -21,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kareus.devices.base import Device
+from kareus.devices.base import Device, StepMeasurement
 from kareus.passes.analyse import GraphAnalysis
 from kareus.passes.decide import Choice
 from kareus.planner.budget import Budget, BudgetError, constrains_nothing
@@ -29,6 +36,7 @@ from kareus.planner.graph import GraphCost, GraphFrontier, graph_frontier
 from kareus.planner.plan import Plan, PlanError, make_plan
 from kareus.profiler.profile import PartitionProfile
 from kareus.runtime.agreement import agree, group_size
+from kareus.runtime.step_meter import StepMeter
 
 log = logging.getLogger("kareus")
 
@@ -67,7 +75,10 @@ class StepPlanner:
         self.options, self.budget, self.device = dict(options), budget, device
         self.kareus_version, self.counts = kareus_version, counts
         self.microbatches, self.timeout_s, self.publish = microbatches, timeout_s, publish
-        self.plan: Plan | None = given
+        self.plan: Plan | None = None
+        self._meter: StepMeter | None = None
+        self._first: tuple[str, str] | None = None  # (label, hash) of the plan's first graph
+        self._stores_measured = self._told = False
         digest = hashlib.sha256(json.dumps(
             [dict(sorted(planning.items())), device.identity, device.model_version,
              kareus_version], default=str,
@@ -80,7 +91,7 @@ class StepPlanner:
         (``planner.pipeline_step``), not when the step's graphs compiled."""
         if given is not None:
             given.check_device(device, self._given_source)
-            publish(given)
+            self._run(given)
 
     def graph_counts(self, analysis: GraphAnalysis) -> tuple[int, ...]:
         """The nanobatch counts the plan may choose for ``analysis``'s graph."""
@@ -247,13 +258,57 @@ class StepPlanner:
 
     def adopt(self, plan: Plan, store: bool = True) -> None:
         """Run ``plan`` from now on (and store it for the next run)."""
+        self._run(plan, store)
+        if store:
+            self._save(self.plan)
+
+    def _save(self, plan: Plan) -> None:
+        try:
+            plan.save(self.path)
+        except OSError as exc:
+            log.warning("could not store the plan in %s: %s", self.path, exc)
+
+    def _run(self, plan: Plan, stores: bool = False) -> None:
+        """Run ``plan`` (without the measurement of the run that stored it) and measure
+        its steps from its first graph's next call (a pipeline's iterations: not yet);
+        ``stores``: this run stores it, with its measurements."""
+        if plan.measured is not None:
+            plan = dataclasses.replace(plan, measured=None)
         self.plan = plan
         self.publish(plan)
-        if store:
-            try:
-                plan.save(self.path)
-            except OSError as exc:
-                log.warning("could not store the plan in %s: %s", self.path, exc)
+        self._first, self._meter, self._stores_measured = None, None, stores
+        self._told = False
+        if plan.pipeline is None and plan.graphs:
+            self._first = (plan.graphs[0].label, plan.graphs[0].graph_hash)
+            self._meter = StepMeter.of(self.device, f"kareus/measured/{plan.digest}")
+
+    def graph_called(self, label: str, graph_hash: str, calls: int) -> None:
+        """A planned graph is called, for the ``calls``-th time in this process: where it
+        is the plan's first graph at the first of a step's microbatches, a step starts and
+        the step meter reads there (it costs a comparison at every other call)."""
+        if (label, graph_hash) != self._first or (calls - 1) % self.microbatches:
+            return
+        assert self._meter is not None and self.plan is not None
+        measured = self._meter.step_started((calls - 1) // self.microbatches)
+        if measured is not None:
+            self._measured(self.plan, measured)
+
+    def _measured(self, plan: Plan, measured: StepMeasurement) -> None:
+        """Publish ``plan`` with ``measured`` (rank 0 stores it where this run stores the
+        plan), and say so: at INFO for the plan's first window, later at DEBUG."""
+        first, self._told = not self._told, True
+        now = dataclasses.replace(plan, measured=measured)
+        self.publish(now)
+        if self._stores_measured and measured.rank == 0:
+            self._save(now)
+        total = measured.total_energy_j
+        (log.info if first else log.debug)(
+            "kareus measured: %.4g s, %.4g J per step on this GPU (rank %d; steps %d-%d), "
+            "predicted %.4g s, %.4g J; %s", measured.time_s, measured.energy_j,
+            measured.rank, measured.first_step, measured.first_step + measured.steps - 1,
+            plan.predicted.time_s, plan.predicted.energy_j,
+            f"{total:.4g} J per step on all {measured.world_size} GPUs" if total is not None
+            else f"the total waits for all {measured.world_size} ranks' measurements")
 
     def _alone(self, budget: Budget) -> Budget:
         """What a budget asks of one graph planned alone: a fraction of its own baseline,

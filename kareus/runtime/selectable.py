@@ -6,7 +6,8 @@ next call after the plan is adopted runs the plan's choice for it, compiling it 
 Where asked, the first call of each newly chosen rewrite is checked against the
 unrewritten graph (``kareus.verify``) before it is trusted. On a device that must run a
 graph to cost it, the graph's first call measures and plans it first, on its inputs
-(``planner.measured``).
+(``planner.measured``). Every call is told to the plan's source, which finds where a step
+starts among them and measures the steps there (``runtime.step_meter``).
 
 Under a pipeline's plan a graph's choice is its instruction's (``runtime.pipelining``
 says which runs): each variant is compiled once, without a clock switch, and every call
@@ -51,6 +52,10 @@ class PlanSource(Protocol):
 
     plan: Plan | None
 
+    def graph_called(self, label: str, graph_hash: str, calls: int) -> None:
+        """The graph ``label`` of hash ``graph_hash`` is called, for the ``calls``-th time
+        (a step may start here)."""
+
 
 class Reports(Protocol):
     def update(self, label: str, notes_added: tuple[str, ...] = (), **changes: Any) -> None: ...
@@ -88,11 +93,14 @@ class SelectableGraph:
         self._first_call = first_call
         """Run before the first call, on its inputs: a graph that can only be costed by
         running it is measured and planned then (``planner.measured``)."""
+        self.calls = 0  # in this process, its first included
 
     def __call__(self, args: list[Any]) -> Any:
         if self._first_call is not None:
             first, self._first_call = self._first_call, None
             first(args)
+        self.calls += 1
+        self._plans.graph_called(self.label, self.graph_hash, self.calls)
         now = None if self._instructions is None else self._instructions.current()
         if now is not None:
             self._instructions.called(self.label, self.graph_hash)

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from kareus.devices import SimulatedGPU
+from kareus.devices.base import StepMeasurement
 from kareus.options import KareusOptionError, KareusOptions
 from kareus.passes.decide import Choice
 from kareus.passes.reasons import Reason, ReasonKind
@@ -88,7 +89,7 @@ def test_an_unmet_budget_states_the_range(gpu):
     ("[" * 100_000, "^plan.json: not a kareus plan: not JSON"),  # nested too deeply
     ("[1, 2]", r"^plan.json: not a kareus plan \(no schema field in \[1, 2\]\)$"),
     ('{"x": 1}', r"^plan.json: not a kareus plan \(no schema field in \{'x': 1\}\)$"),
-    ('{"schema": 99}', "plan schema 99, made by another kareus .this one reads schema 3"),
+    ('{"schema": 99}', "plan schema 99, made by another kareus .this one reads schemas 3 and 4"),
     ('{"schema": true}', "plan schema True, made by another kareus"),
     ('{"schema": 3, "graphs": []}', ("^plan.json: missing fields predicted, baseline, .*, "
      "kareus_version, pipeline, instructions$")),
@@ -281,3 +282,41 @@ def test_options_a_given_plan_contradicts_are_refused(gpu, tmp_path):
         "contradict: its step costs count 4 passes a step; give microbatches=4, or make a new "
         "plan"
     )
+
+
+MEASURED = StepMeasurement(first_step=2, steps=5, time_s=0.9, gpu_energy_j=((0, 70.0), (1, 75.5)),
+                           rank=1, world_size=2, method="nvml-energy-counter")
+
+
+def test_a_measured_plan_round_trips_and_a_schema_3_plan_is_one_measured_nothing(gpu, tmp_path):
+    plan = make_plan([FORWARD, BACKWARD], Budget("fastest"), gpu, {}, "0.1.0")
+    measured = dataclasses.replace(plan, measured=MEASURED)
+    assert measured.digest == plan.digest  # what the ranks agree on leaves it out
+    loaded = Plan.load(measured.save(tmp_path / "measured.json"))
+    assert loaded == measured and loaded.measured.energy_j == 75.5
+    assert loaded.measured.total_energy_j == 145.5
+    raw = json.loads(plan.to_json())
+    assert raw["schema"] == 4 and raw["measured"] is None
+    del raw["measured"]
+    raw["schema"] = 3  # as kareus wrote plans before steps were measured
+    old = Plan.from_json(json.dumps(raw), "old.json")
+    assert old == plan and old.measured is None
+    raw["measured"] = None  # schema 3 has no such field
+    with pytest.raises(PlanError, match="^old.json: unknown field measured$"):
+        Plan.from_json(json.dumps(raw), "old.json")
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("rank", 2, (r"measured.gpu_energy_j: \[0, 1\] are not distinct ranks below world_size 2 "
+                 "that include rank 2")),
+    ("gpu_energy_j", [[0, 1.0], [0, 2.0]], "measured.gpu_energy_j: .* are not distinct"),
+    ("gpu_energy_j", [[1, -1.0]], r"measured.gpu_energy_j\[0\]\[1\]: -1.0 is not a finite"),
+    ("steps", 0, "measured.steps: 0 is not an integer >= 1"),
+    ("method", "", "measured.method: '' is not a non-empty string"),
+])
+def test_a_damaged_measurement_is_refused_naming_its_field(gpu, field, value, message):
+    raw = json.loads(dataclasses.replace(
+        make_plan([FORWARD], Budget("fastest"), gpu, {}, "0.1.0"), measured=MEASURED).to_json())
+    raw["measured"][field] = value
+    with pytest.raises(PlanError, match=f"^plan.json: {message}"):
+        Plan.from_json(json.dumps(raw), "plan.json")

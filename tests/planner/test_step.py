@@ -74,6 +74,7 @@ def test_the_step_plan_meets_its_budget_and_the_forward_switches_to_it(fake_pg_n
     )
     plan = kareus.current_plan()
     assert plan is backend.planner.plan and plan.budget.kind == "time"
+    assert plan.measured is None  # a simulated device measures nothing
     assert plan.predicted.time_s <= budget_ms / 1e3
     assert plan.predicted.energy_j < baseline.energy_j  # slower, for less energy
     clock = {g.label: g.choice.clock_mhz for g in plan.graphs}  # 0: the default clocks

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kareus.devices.base import EnergyReading
 from kareus.devices.errors import (
     EnergyCounterStalledError,
     EnergyUnavailableError,
@@ -199,6 +200,19 @@ class NvmlEnergyMeter:
         if self._stalled(window):
             raise EnergyCounterStalledError(self.gpu, window.wall_s, window.runs, self.min_window_s)
         return window
+
+    def reading(self) -> EnergyReading | None:
+        """The timer and the energy counter now, once the work queued on the GPU ran (with
+        ``cuda``: after a synchronize, so that the counter covers it): one end of a window
+        of training steps (``runtime.step_meter``). None where the counter is unsupported:
+        polled power would need a thread polling through the whole training."""
+        if not self._use_counter:
+            return None
+        if self._cuda:
+            torch.cuda.synchronize()
+        now = self._timer()
+        millijoules = self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle)
+        return EnergyReading(now, millijoules / 1000.0, EnergyCounter.method)
 
     def _more_runs(self, window: Window) -> int:
         """The runs of the next window this rank proposes; 0: this window will do (or the

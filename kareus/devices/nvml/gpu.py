@@ -12,6 +12,7 @@ is searched and ``clock_limitation`` says why.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 
 from kareus.closing import Closing
-from kareus.devices.base import Device, Measurement, Resources, Workload
+from kareus.devices.base import Device, EnergyReading, Measurement, Resources, Workload
 from kareus.devices.errors import (
     DeviceError,
     UnmeasurableWorkloadError,
@@ -113,8 +114,10 @@ class NvmlGPU(Device, Closing):
     process's GPU, so compiled graphs drive its controller (``controls_clocks``).
     ``clock_locks`` is where the process keeps the clock ownerships it holds: the runtime
     passes its own (``ProcessRuntime.clock_locks``); see ``NvmlClockController``.
-    Without permission to lock clocks (not a dry run), only the default clock is searched
-    and ``clock_limitation`` says why (a WARNING says it once, at open).
+    Without permission to lock clocks (not a dry run), clocks are locked through zeusd
+    at ``zeusd_socket`` (None: ``$ZEUSD_SOCK_PATH``) where it answers; where it does not
+    either, only the default clock is searched and ``clock_limitation`` says why (a WARNING
+    says it once, at open).
     """
 
     controls_clocks = True
@@ -135,6 +138,7 @@ class NvmlGPU(Device, Closing):
         sleep: Callable[[float], None] = time.sleep,
         reset_at_exit: bool = True,
         clock_locks: HeldClockLocks | None = None,
+        zeusd_socket: str | os.PathLike[str] | None = None,
     ) -> None:
         self.dry_run = dry_run
         self._settle_s = settle_s
@@ -180,6 +184,7 @@ class NvmlGPU(Device, Closing):
                 event_factory=event_factory or (record_cuda_event if cuda else no_event),
                 reset_at_exit=reset_at_exit,
                 held=clock_locks,
+                zeusd_socket=zeusd_socket,
             )
             if not controller.probe_permission():
                 self._clock_limitation = no_clock_permission(gpu)
@@ -225,6 +230,9 @@ class NvmlGPU(Device, Closing):
 
     def power_w(self) -> float:
         return self.meter.power_w()
+
+    def read_energy(self) -> EnergyReading | None:
+        return self.meter.reading()
 
     def clock_controller(self) -> NvmlClockController:
         return self._controller
