@@ -40,7 +40,7 @@ op producing its last piece) costs the join only what the run costs beyond that 
 Grouped-query attention's dk/dv sums ("node.sum_dk") are their attention's.
 
     python benchmarks/overlap_breakdown.py llama3.2-3b --tp 8 --pp 2 --microbatches 8 \\
-        --microbatch-size 8 --seq 4096 --recompute full --device sim:a100-sxm4-40gb \\
+        --microbatch-size 8 --seq-len 4096 --recompute full --device sim:a100-sxm4-40gb \\
         --regions block
 
 Prints a table per microbatch and graph, and adds the run (keyed by its workload) to

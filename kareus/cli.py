@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 import time
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -13,54 +14,7 @@ from rich.text import Text
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kareus", description=__doc__)
-    parser.add_argument(
-        "-v", "--verbose", action="count", default=0, help="log more (-v info, -vv debug)"
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser(
-        "demo", help="train a small tensor-parallel Llama on 2 gloo CPU processes"
-    )
-    demo.add_argument("--world-size", type=_positive, default=2)
-    demo.add_argument("--steps", type=_positive, default=12)
-    demo.add_argument("--layers", type=_positive, default=2)
-    demo.add_argument("--sequence-parallel", action="store_true")
-    demo.add_argument("--lowering", choices=("inductor", "eager"), default="inductor")
-    demo.add_argument("--nanobatches", choices=("1", "2", "4", "auto"), default="auto",
-                      help="the nanobatch count, or auto: the plan picks one per graph")
-    demo.add_argument(
-        "--device",
-        default="auto",
-        help='"auto", "nvml", "nvml-dry-run", "sim:<preset>" or a GPU .json',
-    )
-    demo.add_argument("--dim", type=_positive, default=512, help="model width")
-    demo.add_argument("--batch", type=_positive, default=8)
-    demo.add_argument("--seq-len", type=_positive, default=128)
-    _add_budget(demo, default="1.1")
-    demo.add_argument("--out", default="kareus-demo-plan.png",
-                      help="the frontier plot (the plan goes beside it as .json)")
-    demo.add_argument("--no-paper-plan", action="store_true",
-                      help="skip the offline plan of a paper-sized workload at the end")
-    plan = sub.add_parser(
-        "plan", help="plan a model's training iteration offline on a simulated GPU, beside "
-        "the baseline and Perseus",
-    )
-    add_workload_arguments(plan)
-    add_plan_arguments(plan)
-    _add_budget(plan, default="the fastest plan")
-    bench = sub.add_parser(
-        "bench", help="the benchmark suite: kareus, Perseus and the baseline on the method's "
-        "workloads, planned offline on simulated GPUs",
-    )
-    bench.add_argument("--quick", action="store_true", help="one small workload (seconds)")
-    bench.add_argument("--out", default="benchmarks/results",
-                       help="the directory of suite.json and the PNGs")
-    bench.add_argument("--cache-dir", default=None, help="the profile store's directory")
-    show = sub.add_parser("show", help="a plan or a profile store: a table and a frontier plot")
-    show.add_argument("target", help="a plan JSON file, a profile store file or its directory")
-    show.add_argument("--out", default=None,
-                      help="the PNG, or a directory to write it in (default: beside the target)")
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=(logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)],
         format="%(levelname)s %(name)s: %(message)s",
@@ -68,26 +22,118 @@ def main(argv: list[str] | None = None) -> int:
     return {"demo": _demo, "plan": _plan, "bench": _bench, "show": _show}[args.command](args)
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """``kareus`` and its subcommands' arguments, every option's help with its default."""
+    from kareus.devices.resolve import DEFAULT_SIMULATED
+    from kareus.version import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="kareus", formatter_class=HelpFormatter,
+        description="kareus: a torch.compile backend for energy-efficient distributed "
+        "training; its demo, offline planner, benchmark suite and viewer")
+    parser.add_argument("--version", action="version", version=f"kareus {__version__}")
+    parser.add_argument(
+        "-v", "--verbose", action="count", default=0, help="log more (-v info, -vv debug)"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser(
+        "demo", help="train a small tensor-parallel Llama on 2 gloo CPU processes",
+        formatter_class=HelpFormatter,
+    )
+    demo.add_argument("--world-size", type=_positive, default=2,
+                      help="gloo processes, one a tensor-parallel rank")
+    demo.add_argument("--steps", type=_positive, default=12, help="AdamW steps")
+    demo.add_argument("--layers", type=_positive, default=2, help="transformer blocks")
+    demo.add_argument("--dim", type=_positive, default=512, help="model width")
+    add_shape_arguments(demo, seq_len=128)
+    demo.add_argument("--lowering", choices=("inductor", "eager"), default="inductor",
+                      help="how each compiled graph runs: Inductor's code or eager ops")
+    demo.add_argument("--nanobatches", choices=("1", "2", "4", "auto"), default="auto",
+                      help="the nanobatch count, or auto: the plan picks one per graph")
+    demo.add_argument(
+        "--device", default="auto",
+        help='the GPU to profile and plan on: "auto" (the local GPU through NVML, else '
+        f'{DEFAULT_SIMULATED}), "nvml", "nvml-dry-run" (measured, clock switches only '
+        f'recorded), a simulated GPU ({_presets()}) or a GPU .json',
+    )
+    _add_budget(demo, default="1.1")
+    demo.add_argument("--out", default="kareus-demo-plan.png",
+                      help="the frontier plot; the plan goes beside it as .json (kareus show "
+                      "reads it)")
+    demo.add_argument("--no-paper-plan", action="store_true",
+                      help="skip the offline plan of a paper-sized workload at the end")
+    plan = sub.add_parser(
+        "plan", help="plan a model's training iteration offline on a simulated GPU, beside "
+        "the baseline and Perseus", formatter_class=HelpFormatter,
+    )
+    add_workload_arguments(plan)
+    add_plan_arguments(plan)
+    _add_budget(plan, default="the fastest plan")
+    bench = sub.add_parser(
+        "bench", help="the benchmark suite: kareus, Perseus and the baseline on the method's "
+        "workloads, planned offline on simulated GPUs", formatter_class=HelpFormatter,
+    )
+    bench.add_argument("--quick", action="store_true", help="one small workload (seconds)")
+    bench.add_argument("--out", default="benchmarks/results",
+                       help="the directory of suite.json and the PNGs")
+    _add_cache_dir(bench)
+    show = sub.add_parser(
+        "show", help="a plan, a plan result or a profile store: a table and a frontier plot",
+        formatter_class=HelpFormatter,
+    )
+    show.add_argument("target", help="a plan JSON file (kareus plan --plan-json, kareus demo), "
+                      "a plan result (kareus plan --json), a profile store file or its "
+                      "directory")
+    show.add_argument("--out", default=None,
+                      help="the PNG, or a directory to write it in (default: beside the target)")
+    return parser
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's default at the end of its help, except where there is none to show
+    (None, a flag's False) or the help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False or "default" in (action.help
+                                                                             or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def parser_for_plan() -> argparse.ArgumentParser:
     """``kareus plan``'s own arguments (the demo plans with them too)."""
-    parser = argparse.ArgumentParser(prog="kareus plan")
+    parser = argparse.ArgumentParser(prog="kareus plan", formatter_class=HelpFormatter)
     add_workload_arguments(parser)
     add_plan_arguments(parser)
     return parser
 
 
+def _presets() -> str:
+    from kareus.devices.sim.presets import preset_names
+
+    return ", ".join(preset_names())
+
+
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="sim:a100-sxm4-40gb",
-                        help='a simulated GPU: "sim:<preset>" or a GPU .json')
+                        help=f"a simulated GPU ({_presets()}) or a GPU .json")
     parser.add_argument("--json", default="kareus-plan.json",
-                        help="the result JSON (frontiers, chosen plan, metrics)")
-    parser.add_argument("--png", default=None, help="the frontier plot (default: beside --json)")
+                        help="the plan result: every method's frontier (time and energy per "
+                        "iteration of all tp x pp GPUs), the chosen point and the metrics; "
+                        "kareus show reads it. Not what a compile loads: see --plan-json")
+    parser.add_argument("--png", default=None,
+                        help="the frontier plot (default: beside --json, .png)")
     parser.add_argument("--plan-json", default=None,
-                        help="the plan a compile loads as its plan option (default: beside "
-                        "--json, .plan.json); written without pipeline parallelism")
-    parser.add_argument("--cache-dir", default=None, help="the profile store's directory")
-    parser.add_argument("--search", choices=("grid", "bayesian"), default="grid")
-    parser.add_argument("--search-budget", type=_positive, default=32)
+                        help="the plan a compile loads as its plan option (costs per GPU, or "
+                        "with pipeline parallelism per iteration of one replica; kareus show "
+                        "reads it too; default: beside --json, .plan.json)")
+    _add_cache_dir(parser)
+    parser.add_argument("--search", choices=("grid", "bayesian"), default="grid",
+                        help="how each distinct partition is searched: grid, every variant "
+                        "(instant on a simulated GPU), or bayesian, within --search-budget")
+    parser.add_argument("--search-budget", type=_positive, default=32,
+                        help="the most variants measured per distinct partition with --search "
+                        "bayesian")
     parser.add_argument(
         "--max-solve-s", type=_positive_seconds, default=20.0,
         help="seconds per solve of a pipeline plan; past them the best plan found is kept "
@@ -95,18 +141,45 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "which can take an hour on an uneven 2-stage split)")
 
 
+def _add_cache_dir(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cache-dir", default=None,
+                        help="the profile store's directory (default: $KAREUS_CACHE_DIR, else "
+                        "$XDG_CACHE_HOME/kareus, else ~/.cache/kareus)")
+
+
+def add_shape_arguments(parser: argparse.ArgumentParser, seq_len: int) -> None:
+    """A microbatch's shape and its sequence parallelism, named alike by ``demo`` and
+    ``plan``; their earlier spellings (``--batch``, ``--seq``, ``--sp``) still parse, left
+    out of the help."""
+    parser.add_argument("--microbatch-size", type=_positive, default=8,
+                        help="sequences per microbatch (the demo's step is one microbatch)")
+    parser.add_argument("--seq-len", type=_positive, default=seq_len,
+                        help="tokens per sequence")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="shard the activations between tensor-parallel regions on the "
+                        "sequence (Megatron's sequence parallelism)")
+    for old, new in (("--batch", "microbatch_size"), ("--seq", "seq_len")):
+        parser.add_argument(old, type=_positive, dest=new, default=argparse.SUPPRESS,
+                            help=argparse.SUPPRESS)
+    parser.add_argument("--sp", action="store_true", dest="sequence_parallel",
+                        default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     """A model and its layout (``offline.Workload``), shared with the benchmark suite."""
     parser.add_argument("model", help="a preset (llama3.2-1b, llama3.2-3b, llama3.1-8b, "
                         "llama3.1-70b, qwen3-1.7b, qwen3-8b) or a Hugging Face config.json")
-    parser.add_argument("--tp", type=_positive, default=8)
-    parser.add_argument("--pp", type=_positive, default=1)
-    parser.add_argument("--microbatches", type=_positive, default=8)
-    parser.add_argument("--microbatch-size", type=_positive, default=8)
-    parser.add_argument("--seq", type=_positive, default=4096)
-    parser.add_argument("--sp", action="store_true", help="sequence parallelism")
-    parser.add_argument("--recompute", choices=("none", "full"), default="none")
-    parser.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
+    parser.add_argument("--tp", type=_positive, default=8, help="tensor-parallel degree")
+    parser.add_argument("--pp", type=_positive, default=1,
+                        help="pipeline-parallel degree (stages)")
+    parser.add_argument("--microbatches", type=_positive, default=8,
+                        help="microbatches per iteration")
+    add_shape_arguments(parser, seq_len=4096)
+    parser.add_argument("--recompute", choices=("none", "full"), default="none",
+                        help="activation recomputation: none, or full (every layer's forward "
+                        "recomputed in its backward)")
+    parser.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b",
+                        help="the pipeline schedule")
     parser.add_argument(
         "--layout", choices=("megatron", "torchtitan"), default="megatron",
         help="how the model is written: megatron (default; as Megatron-LM runs it: fused QKV "
@@ -136,7 +209,7 @@ def _add_budget(parser: argparse.ArgumentParser, default: str) -> None:
     budget.add_argument("--energy-budget", default=None,
                         help=f'a fraction of the baseline {what} energy (0.95) or "2 J"')
     budget.add_argument("--energy-time-tradeoff", type=float, default=None,
-                        help="Zeus's eta in [0, 1]")
+                        help="Zeus's eta in [0, 1]: 0 weighs time only, 1 energy only")
     budget.add_argument("--fastest", action="store_true",
                         help="no budget: the least energy no slower than the fastest plan")
 
@@ -172,8 +245,8 @@ def _amount(text: str | None) -> float | str | None:
 
 
 def _budget(args: argparse.Namespace, default: float | None = 1.1) -> dict[str, object]:
-    if args.fastest:
-        return {}
+    if args.fastest:  # no budget, said as such: left unset, a compile's defaults to 1.0
+        return {"time_budget": None}
     if args.energy_budget is not None:
         return {"energy_budget": _amount(args.energy_budget)}
     if args.energy_time_tradeoff is not None:
@@ -206,8 +279,6 @@ def _refused(console: Console, command: str, exc: Exception) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from kareus.errors import KareusError
     from kareus.offline.suite import MATRIX, QUICK, run_suite
     from kareus.profiler.progress import make_console
@@ -235,11 +306,10 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from kareus.demo import DemoConfig, check, run
     from kareus.errors import KareusError
     from kareus.models.llama import LlamaConfig
+    from kareus.offline.report import writable
     from kareus.profiler.progress import make_console
     from kareus.reports import print_report
     from kareus.show import show
@@ -252,7 +322,7 @@ def _demo(args: argparse.Namespace) -> int:
         cfg = DemoConfig(
             world_size=args.world_size,
             steps=args.steps,
-            batch=args.batch,
+            batch=args.microbatch_size,
             seq_len=args.seq_len,
             model=LlamaConfig(n_layers=args.layers, dim=args.dim, ffn_dim=3 * args.dim,
                               n_heads=max(1, args.dim // 64), max_seq_len=args.seq_len),
@@ -260,10 +330,13 @@ def _demo(args: argparse.Namespace) -> int:
             options=options,
         )
         check(cfg)
+        for path in _demo_outputs(args):
+            writable(path)
     except KareusError as exc:
         return _refused(console, "demo", exc)
     layout = "TP + sequence parallel" if cfg.sequence_parallel else "TP"
-    budget = ", ".join(f"{k} {v}" for k, v in _budget(args).items()) or "the fastest plan"
+    budget = ", ".join(f"{k} {v}" for k, v in _budget(args).items()
+                       if v is not None) or "the fastest plan"
     console.print(
         f"[bold]kareus demo[/]: {cfg.model.n_layers}-layer Llama (dim {cfg.model.dim}), "
         f"{layout} over {cfg.world_size} gloo processes, {cfg.options['lowering']} lowering, "
@@ -316,14 +389,26 @@ def _demo(args: argparse.Namespace) -> int:
         "[bold]kareus plan[/]: the demo's model is too small for overlap to pay; a paper-sized "
         f"workload planned offline ({PAPER_WORKLOAD}), beside Perseus and the baseline:"
     )
-    paper = parser_for_plan().parse_args(
-        [*PAPER_WORKLOAD.split(), "--json", str(Path(args.out).with_name("kareus-demo-paper.json"))]
-    )
+    paper = parser_for_plan().parse_args([*PAPER_WORKLOAD.split(), "--json", str(_paper(args))])
     try:
         plan_command(paper, _budget(args), console)
     except KareusError as exc:
         return _refused(console, "demo", exc)
     return 0
+
+
+def _paper(args: argparse.Namespace) -> Path:
+    """The result JSON of the demo's closing offline plan."""
+    return Path(args.out).with_name("kareus-demo-paper.json")
+
+
+def _demo_outputs(args: argparse.Namespace) -> list[Path]:
+    """What the demo writes: its plot and plan, and its closing offline plan's result, plot
+    and plan (``offline.cli.plan_command``'s defaults beside the result)."""
+    out = Path(args.out)
+    paper = _paper(args)
+    return [out, out.with_suffix(".json"), *([] if args.no_paper_plan else [
+        paper, paper.with_suffix(".png"), paper.with_suffix(".plan.json")])]
 
 
 if __name__ == "__main__":

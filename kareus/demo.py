@@ -98,7 +98,7 @@ def check(cfg: DemoConfig) -> None:
     activation = cfg.batch * cfg.seq_len * cfg.model.dim
     if activation > MAX_ACTIVATION:
         raise DemoError(f"batch x sequence x dim = {activation:,} elements per activation; at "
-                        f"most {MAX_ACTIVATION:,}: lower --batch, --seq-len or --dim")
+                        f"most {MAX_ACTIVATION:,}: lower --microbatch-size, --seq-len or --dim")
 
 
 def run(cfg: DemoConfig) -> list[RankResult]:

@@ -14,11 +14,13 @@ wrong with it, where a profiling run would set it aside and start an empty store
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sqlite3
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from matplotlib import colormaps
 from matplotlib.axes import Axes
@@ -46,7 +48,14 @@ from kareus.profiler.store import (
 MAX_PLOTS = 12  # subplots of a store's figure: more would be too small to read
 CLOCK_COLORMAP = "viridis"
 DEFAULT_CLOCK_COLOR = "lightgrey"  # outside viridis, so the default clocks stand apart
-_TAKES = "kareus show takes a plan JSON file, a profile store file or the directory holding one"
+_TAKES = ("kareus show takes a plan JSON file, a plan result (kareus plan --json), a profile "
+          "store file or the directory holding one")
+RESULT_FIELDS = ("workload", "device", "frontiers", "chosen", "metrics")
+"""What a plan result of ``kareus plan --json`` holds (``offline.cli.result_json``), and no
+plan does: a plan has a ``schema`` field."""
+RESULT_WORKLOAD = ("model", "tp", "pp", "sp", "microbatches", "microbatch_size", "seq",
+                   "schedule", "recompute", "gpus")
+"""The workload fields a plan result's table title and units read."""
 
 
 class ShowError(KareusError, ValueError):
@@ -73,7 +82,11 @@ def show(
     if png.is_dir():
         png = png / _default_png(path).name
     if store is None:
-        _show_plan(_read_plan(path), path, png, console)
+        read = _read_plan_or_result(path)
+        if isinstance(read, Plan):
+            _show_plan(read, path, png, console)
+        else:
+            _show_result(read, path, png, console)
     else:
         _show_store(store, png, console)
     _print(console, f"wrote {png}")
@@ -121,13 +134,82 @@ def _default_png(path: Path) -> Path:
     return path / "profiles.png" if path.is_dir() else path.with_suffix(".png")
 
 
-def _read_plan(path: Path) -> Plan:
-    """The plan in ``path``, read and checked as the ``plan`` option reads it; a
-    ``ShowError`` with the loader's one line (the file and the field) if it is none."""
+def _read_plan_or_result(path: Path) -> Plan | dict[str, Any]:
+    """The plan in ``path``, read and checked as the ``plan`` option reads it, or the plan
+    result ``kareus plan --json`` wrote; a ``ShowError`` naming the file, and the field
+    where it is a plan with a bad one, if it is neither."""
     try:
         return Plan.load(path)
     except PlanError as exc:
-        raise ShowError(str(exc)) from exc
+        try:
+            raw = json.loads(path.read_bytes())
+        except (OSError, ValueError, RecursionError):  # not JSON: the loader's one line
+            raise ShowError(str(exc)) from exc
+        if isinstance(raw, dict) and "schema" in raw:  # a plan with a bad field: its name
+            raise ShowError(str(exc)) from exc
+        if isinstance(raw, dict) and all(field in raw for field in RESULT_FIELDS):
+            return _checked_result(raw, path)
+        missing = ("it is a JSON " + type(raw).__name__ if not isinstance(raw, dict) else
+                   f"it has no schema field, nor {', '.join(RESULT_FIELDS)} fields")
+        raise ShowError(f"{path}: neither a kareus plan nor a plan result of kareus plan "
+                        f"--json ({missing}); {_TAKES}") from exc
+
+
+def _checked_result(raw: dict[str, Any], path: Path) -> dict[str, Any]:
+    """A plan result, checked for what showing it reads: a ``ShowError`` naming the file
+    and the first field that is missing or malformed."""
+    from kareus.offline import report
+
+    problem = _result_problem(raw, tuple(report.LABELS))
+    if problem is None:
+        try:
+            report.metrics_rows(raw["metrics"])
+        except (KeyError, TypeError, AttributeError) as exc:
+            problem = "metrics", f"as kareus plan --json writes them (no {exc})"
+    if problem is not None:
+        field, expected = problem
+        raise ShowError(f"{path}: a plan result whose {field} is not {expected}")
+    return raw
+
+
+def _result_problem(raw: dict[str, Any], methods: tuple[str, ...]) -> tuple[str, str] | None:
+    """The first field of a plan result that showing cannot read, and what it should be."""
+    w, frontiers = raw["workload"], raw["frontiers"]
+    if not (isinstance(w, dict) and all(k in w for k in RESULT_WORKLOAD)
+            and isinstance(w["gpus"], int) and w["gpus"] >= 1):
+        return "workload", f"an object of {', '.join(RESULT_WORKLOAD)} (gpus an integer >= 1)"
+    if not (isinstance(frontiers, dict) and set(frontiers) <= set(methods)
+            and frontiers.get("baseline")
+            and all(isinstance(ps, list) and all(map(_is_cost, ps)) for ps in frontiers.values())):
+        return "frontiers", (f"lists of {{time_s, energy_j}} > 0 by method ({', '.join(methods)}"
+                             "), the baseline's not empty")
+    if not _is_cost(raw["chosen"]):
+        return "chosen", "{time_s, energy_j} > 0"
+    return None
+
+
+def _is_cost(point: object) -> bool:
+    """A ``{time_s, energy_j}`` point, each a finite number > 0."""
+    return isinstance(point, dict) and all(
+        type(point.get(k)) in (int, float) and 0 < point[k] < math.inf
+        for k in ("time_s", "energy_j"))
+
+
+# -- a plan result --------------------------------------------------------------------------
+
+
+def _show_result(result: dict[str, Any], path: Path, png: Path, console: Console) -> None:
+    """A plan result as ``kareus plan`` printed it: every method's frontier against the
+    baseline and the metrics, times and energies per iteration of all the replica's GPUs."""
+    from kareus.offline import report
+
+    version = result.get("kareus_version")
+    made = f" by kareus {version}" if isinstance(version, str) else ""
+    _print(console, f"plan result {path}{made} (kareus plan --json; the plan a compile loads "
+           "is its --plan-json)")
+    console.print(report.frontier_table(result))
+    console.print(report.metrics_table(report.metrics_rows(result["metrics"])))
+    _save(report.figure(result), png)
 
 
 # -- a plan ---------------------------------------------------------------------------------
@@ -149,7 +231,8 @@ def _show_plan(plan: Plan, path: Path, png: Path, console: Console) -> None:
 
 def _plan_table(plan: Plan) -> Table:
     table = Table()
-    for name in ("graph", "k", "clock MHz", "slots", "resources", "time ms", "eff. energy mJ"):
+    for name in ("graph", "k", "clock MHz", "slots", "resources", "time ms",
+                 "eff. energy mJ per GPU"):
         table.add_column(name, justify="left" if name == "graph" else "right")
     for g in plan.graphs:
         c = g.choice
@@ -166,7 +249,7 @@ def _instruction_table(layout: PipelineLayout,
                        instructions: Sequence[InstructionPlan]) -> Table:
     table = Table()
     for name in ("stage", "rank", "microbatch", "kind", "clock MHz", "start ms", "time ms",
-                 "eff. energy mJ", "graphs (k x calls)"):
+                 "eff. energy mJ of the stage's GPUs", "graphs (k x calls)"):
         table.add_column(name, justify="left" if name in ("kind", "graphs (k x calls)")
                          else "right")
     for i in _in_start_order(instructions):
@@ -194,20 +277,47 @@ def _unit(plan: Plan) -> str:
     return "step" if plan.pipeline is None else "iteration"
 
 
+def _whose(plan: Plan) -> str:
+    """Whose energy the plan's costs are: one GPU's, a pipeline's of all its replica's."""
+    return "per GPU" if plan.pipeline is None else "of one pipeline replica, all its GPUs"
+
+
 def _plan_summary(plan: Plan) -> list[str]:
     p, b = plan.predicted, plan.baseline
     model = f", model {plan.model_version}" if plan.model_version else ""
-    replica = "" if plan.pipeline is None else " (one pipeline replica, all its GPUs)"
+    replica = " (per GPU)" if plan.pipeline is None else " (one pipeline replica, all its GPUs)"
     return [
         (f"predicted {_unit(plan)}{replica}: {_num(p.time_s * 1e3)} ms, {_num(p.energy_j)} J; "
          f"baseline {_num(b.time_s * 1e3)} ms, {_num(b.energy_j)} J: time "
          f"{_ratio(p.time_s, b.time_s)}, energy {_ratio(p.energy_j, b.energy_j)} of the "
          "baseline"),
+        _measured_text(plan),
         (f"budget: {_budget_text(plan.budget)}; frontier {len(plan.frontier)} points, "
          f"frequency-only {len(plan.frequency_only)}"),
-        (f"device: {plan.device}{model}, static power {_num(plan.static_power_w)} W; "
+        (f"device: {plan.device}{model}, static power {_num(plan.static_power_w)} W per GPU; "
          f"kareus {plan.kareus_version}"),
     ]
+
+
+def _measured_text(plan: Plan) -> str:
+    """What the plan's steps took where it ran, measured (``Plan.measured``), beside the
+    prediction; or why nothing was."""
+    m = plan.measured
+    if m is None:
+        return "measured: nothing" + (
+            " (the device is simulated: every cost here is modelled)"
+            if plan.model_version is not None
+            else " (a pipeline's iterations are not measured)" if plan.pipeline is not None
+            else " yet (no window of steps ran with this plan)")
+    total = m.total_energy_j
+    every = (f"; {_num(total)} J on all {m.world_size} GPUs" if total is not None
+             else f"; the total waits for all {m.world_size} ranks")
+    p = plan.predicted
+    against = (f": time {_ratio(m.time_s, p.time_s)}, energy {_ratio(m.energy_j, p.energy_j)}"
+               " of the prediction" if p.time_s > 0 and p.energy_j > 0 else "")
+    return (f"measured per step (rank {m.rank}, steps {m.first_step}-"
+            f"{m.first_step + m.steps - 1}, {m.method}): {_num(m.time_s * 1e3)} ms, "
+            f"{_num(m.energy_j)} J on its GPU{every}{against}")
 
 
 def _budget_text(budget: Budget) -> str:
@@ -256,7 +366,7 @@ def _plot_frontier(ax: Axes, plan: Plan, title: str) -> None:
         curve([cost], linestyle="none", label=name, **style)
         ax.annotate(name, (cost.time_s * 1e3, cost.energy_j), xytext=(8, 8),
                     textcoords="offset points")
-    ax.set(xlabel=f"{unit} time (ms)", ylabel=f"{unit} energy (J)", title=title)
+    ax.set(xlabel=f"{unit} time (ms)", ylabel=f"{unit} energy {_whose(plan)} (J)", title=title)
     ax.grid(alpha=0.3)
     ax.legend()
 

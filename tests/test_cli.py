@@ -1,11 +1,18 @@
 """The command line refuses what it cannot run before spawning anything."""
 
+import argparse
+import itertools
 import json
+import os
+from pathlib import Path
 
 import pytest
 
 from kareus import demo
-from kareus.cli import main
+from kareus.cli import build_parser, main, parser_for_plan
+from kareus.devices.sim.presets import preset_names
+from kareus.offline.cli import PAPER_WORKLOAD, workload_of
+from kareus.version import __version__
 
 
 @pytest.mark.parametrize(
@@ -92,7 +99,7 @@ def gpu_file(tmp_path, content: bytes | dict, name: str = "gpu.json") -> str:
         (["--dim", "65"], "Llama dim 65 must split into 1 heads of an even width"),
         (["--dim", "96"], "must be divisible by the tensor-parallel degree 2"),
         (["--dim", "102400"], "parameter model is more than the demo trains on CPU"),
-        (["--batch", "100000", "--seq-len", "10000"], "elements per activation"),
+        (["--microbatch-size", "100000", "--seq-len", "10000"], "elements per activation"),
         (["--sequence-parallel", "--seq-len", "33"], "it must divide evenly"),
         (["--energy-budget", "-1"], "kareus option 'energy_budget'"),
     ],
@@ -122,7 +129,7 @@ def test_the_demo_plans_trains_with_the_plan_and_writes_it(tmp_path, capsys):
     import json
 
     out = tmp_path / "plan.png"
-    argv = ["demo", "--steps", "3", "--dim", "256", "--batch", "4", "--seq-len", "64",
+    argv = ["demo", "--steps", "3", "--dim", "256", "--microbatch-size", "4", "--seq-len", "64",
             "--layers", "1", "--lowering", "eager", "--time-budget", "1.2", "--out", str(out)]
     assert main(argv) == 0
     text = capsys.readouterr().out
@@ -137,7 +144,8 @@ def test_the_demo_plans_trains_with_the_plan_and_writes_it(tmp_path, capsys):
 def test_an_impossible_budget_is_one_line_from_the_first_plan(tmp_path, capsys):
     """No plan reaches 5% of the baseline's energy: the first plan, made when the first step
     compiles, says so; the parent prints it once (not each rank's traceback) and exits 2."""
-    argv = ["demo", "--steps", "50", "--dim", "256", "--batch", "4", "--seq-len", "64",
+    argv = ["demo", "--steps", "50", "--dim", "256", "--microbatch-size", "4", "--seq-len",
+            "64",
             "--layers", "1", "--lowering", "eager", "--device", "sim:h200",
             "--energy-budget", "0.05", "--out", str(tmp_path / "plan.png")]
     assert main(argv) == 2
@@ -147,3 +155,102 @@ def test_an_impossible_budget_is_one_line_from_the_first_plan(tmp_path, capsys):
                            "baseline's"), captured.out
     assert "Traceback" not in captured.out + captured.err
     assert "loss curve" not in captured.out and not (tmp_path / "plan.json").exists()
+
+
+# -- the options themselves ----------------------------------------------------------------
+
+
+def subcommands() -> dict[str, argparse.ArgumentParser]:
+    (sub,) = (a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+def help_text(parser: argparse.ArgumentParser) -> str:
+    return " ".join(parser.format_help().split())  # however argparse wraps it
+
+
+def option_help(parser: argparse.ArgumentParser, option: str) -> str:
+    """One option's entry in the help, its lines joined without the wrapping's spaces
+    (argparse also breaks lines after a hyphen)."""
+    lines = iter(parser.format_help().splitlines())
+    entry = [next(line for line in lines if line.lstrip().startswith(option + " "))]
+    entry += [line for line in itertools.takewhile(
+        lambda line: len(line) - len(line.lstrip()) > 4, lines)]  # its help's lines
+    return "".join("".join(entry).split())
+
+
+@pytest.mark.parametrize("command", ["demo", "plan", "bench", "show"])
+def test_every_option_has_help_and_shows_its_default(command):
+    """Each option says what it is; one with a default to show (not None, not a flag's
+    False) shows it, or says it in its own words ("default: beside --json")."""
+    parser = subcommands()[command]
+    for action in parser._actions:
+        if action.help == argparse.SUPPRESS:  # an earlier spelling: its option is shown
+            assert any(a.dest == action.dest and a.help != argparse.SUPPRESS
+                       for a in parser._actions), action.option_strings
+            continue
+        assert action.help, f"{command} {action.option_strings or action.dest}: no help"
+        if action.option_strings and action.default not in (None, False, argparse.SUPPRESS):
+            entry = option_help(parser, action.option_strings[-1])
+            assert (f"(default:{action.default})" in entry
+                    or "default" in action.help), (command, entry)
+
+
+def test_kareus_plan_help_shows_the_defaults_the_issue_named(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["plan", "--help"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out == subcommands()["plan"].format_help()
+    for option, default in [("--tp", "8"), ("--pp", "1"), ("--seq-len", "4096"),
+                            ("--microbatches", "8"), ("--device", "sim:a100-sxm4-40gb"),
+                            ("--search", "grid")]:
+        entry = option_help(subcommands()["plan"], option)
+        assert entry.endswith(f"(default:{default})"), entry
+
+
+def test_kareus_version_prints_the_version(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out == f"kareus {__version__}\n"
+
+
+@pytest.mark.parametrize("argv", [
+    ["--microbatch-size", "3", "--seq-len", "64", "--sequence-parallel"],
+    ["--batch", "3", "--seq", "64", "--sp"],  # the earlier spellings, hidden
+])
+def test_demo_and_plan_name_the_shape_alike(argv):
+    """--microbatch-size, --seq-len, --sequence-parallel in both, into the same fields; the
+    earlier --batch, --seq and --sp still parse but are not in the help."""
+    parsers = subcommands()
+    for command, args in (("demo", argv), ("plan", ["llama3.2-1b", *argv])):
+        parsed = parsers[command].parse_args(args)
+        assert (parsed.microbatch_size, parsed.seq_len, parsed.sequence_parallel) == (
+            3, 64, True), command
+        text = help_text(parsers[command])
+        assert all(f"[{name}" in text for name in ("--microbatch-size", "--seq-len",
+                                                   "--sequence-parallel")), command
+        assert not any(f"[{name} " in text or f"[{name}]" in text
+                       for name in ("--batch", "--seq", "--sp")), command
+    workload = workload_of(parser_for_plan().parse_args(["llama3.2-1b", "--tp", "2", *argv]))
+    assert (workload.microbatch_size, workload.seq, workload.sp) == (3, 64, True)
+    assert "--seq-len" in PAPER_WORKLOAD and "--seq " not in PAPER_WORKLOAD
+
+
+@pytest.mark.parametrize("command", ["demo", "plan"])
+def test_device_help_lists_the_simulated_presets(command):
+    entry = option_help(subcommands()[command], "--device")
+    assert all(name in entry for name in preset_names()), entry
+
+
+def test_the_demo_refuses_an_out_the_file_system_refuses_before_spawning(
+    monkeypatch, capsys, no_workers
+):
+    """Run as root, os.access says yes to /proc; opening a file there says no."""
+    if not Path("/proc/self").is_dir():
+        pytest.skip("no /proc")
+    monkeypatch.setattr(os, "access", lambda *args, **kwargs: True)
+    assert main(["demo", "--out", "/proc/kareus-test.png"]) == 2
+    out = capsys.readouterr().out
+    assert out.startswith("kareus demo: /proc/kareus-test.png: cannot write there")
+    assert out.count("\n") == 1

@@ -107,6 +107,7 @@ def test_plan_table_summary_and_plot(tmp_path):
     assert row(text, "region0/forward")[:5] == ["region0/forward", "2", "1410", "1", "16"]
     assert row(text, "region0/backward")[:5] == ["region0/backward", "1", "1980", "0", "default"]
     assert "time 1.042x, energy 0.781x of the baseline" in text  # 12.5/12 ms, 2.5/3.2 J
+    assert "predicted step (per GPU): 12.5 ms, 2.5 J; baseline 12 ms, 3.2 J" in text
     assert "energy <= 0.8 of the baseline" in text
     assert "sim:h200" in text
     assert text.rstrip().endswith(f"wrote {png}")

@@ -4,15 +4,17 @@ then trace, plan, print and write."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
-from rich.table import Table
 
 from kareus.devices.resolve import check_device
+from kareus.offline import report
 from kareus.offline.models import artifact_first_stage_layers, resolve_model
+from kareus.offline.report import OutputError
 from kareus.offline.workload import Workload, WorkloadError
 from kareus.planner.budget import Budget
 from kareus.version import __version__
@@ -20,7 +22,7 @@ from kareus.version import __version__
 if TYPE_CHECKING:
     from kareus.offline.plan import OfflinePlan
 
-PAPER_WORKLOAD = "llama3.2-3b --tp 8 --microbatches 8 --microbatch-size 8 --seq 4096"
+PAPER_WORKLOAD = "llama3.2-3b --tp 8 --microbatches 8 --microbatch-size 8 --seq-len 4096"
 """What the demo plans at its end: the method's Llama 3.2 3B at TP8, one stage, on the
 simulated A100 (the parser's default device), in the Megatron layout."""
 
@@ -38,7 +40,8 @@ def workload_of(args: argparse.Namespace) -> Workload:
     artifact_first_stage_layers``), else even."""
     name, model = resolve_model(args.model)
     return Workload(model, name, tp=args.tp, pp=args.pp, microbatches=args.microbatches,
-                    microbatch_size=args.microbatch_size, seq=args.seq, sp=args.sp,
+                    microbatch_size=args.microbatch_size, seq=args.seq_len,
+                    sp=args.sequence_parallel,
                     recompute=args.recompute, layout=args.layout, regions=args.regions,
                     first_stage_layers=first_stage_layers(args.first_stage_layers, name,
                                                           args.pp))
@@ -76,16 +79,26 @@ def result_json(plan: OfflinePlan) -> dict[str, Any]:
     return {**data, "workload": {**data["workload"], **plan.workload.describe()}}
 
 
+def output_paths(args: argparse.Namespace) -> tuple[Path, Path, Path]:
+    """The result JSON, its plot and the plan JSON, the latter two beside the result unless
+    given; an ``OutputError`` where two are one file."""
+    result = Path(args.json)
+    png = Path(args.png) if args.png else result.with_suffix(".png")
+    plan_json = Path(args.plan_json) if args.plan_json else result.with_suffix(".plan.json")
+    named = {"--json": result, "--png": png, "--plan-json": plan_json}
+    for (a, x), (b, y) in itertools.combinations(named.items(), 2):
+        if x.resolve() == y.resolve():
+            raise OutputError(f"{a} and {b} name the same file {x}; give each its own")
+    return result, png, plan_json
+
+
 def plan_command(args: argparse.Namespace, budget: dict[str, Any], console: Console) -> None:
-    from kareus.offline import report
     from kareus.offline.plan import plan_offline, step_plan
 
     workload = workload_of(args)
     check_device(args.device)
     chosen_budget = Budget.parse(**budget)
-    result = Path(args.json)
-    png = Path(args.png) if args.png else result.with_suffix(".png")
-    plan_json = Path(args.plan_json) if args.plan_json else result.with_suffix(".plan.json")
+    result, png, plan_json = output_paths(args)
     for path in (result, png, plan_json):
         report.writable(path)
     start = time.perf_counter()
@@ -94,16 +107,19 @@ def plan_command(args: argparse.Namespace, budget: dict[str, Any], console: Cons
                         search_budget=args.search_budget,
                         max_solve_s=args.max_solve_s or None)
     elapsed = time.perf_counter() - start
+    data = {**result_json(plan), "seconds": elapsed, "kareus_version": __version__}
     console.print(traced_words(workload), markup=False)
-    console.print(report.frontier_table(plan))
-    metrics = Table(title="metrics (modelled)", title_justify="left", show_header=False)
-    for name, value in report.metrics_rows(plan).items():
-        metrics.add_row(name, value)
-    console.print(metrics)
+    console.print(report.frontier_table(data))
+    console.print(report.metrics_table(report.metrics_rows(data["metrics"])))
     step, what = step_plan(plan, __version__)
     step.save(plan_json)
-    console.print(f"plan for the plan option: {plan_json} ({what})", markup=False)
-    report.write_png(png, report.figure(plan))
-    report.write_json(result, {**result_json(plan), "seconds": elapsed,
-                               "kareus_version": __version__})
-    console.print(f"wrote {result} and {png}; planned in {elapsed:.1f} s", markup=False)
+    report.write_png(png, report.figure(data))
+    report.write_json(result, data)
+    for line in (
+        f"wrote the plan for the plan option: {plan_json} ({what})",
+        (f"wrote the plan result (every method's frontier, the chosen point, the metrics; "
+         f"{report.per_iteration(data)}): {result}"),
+        f"wrote the frontier plot: {png}",
+        f"kareus show reads either JSON; planned in {elapsed:.1f} s",
+    ):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)

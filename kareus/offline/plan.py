@@ -225,7 +225,8 @@ def step_plan(plan: OfflinePlan, kareus_version: str) -> tuple[Plan, str]:
         options={"microbatches": w.microbatches, "nanobatches": 1},
         kareus_version=kareus_version,
     ), (f"each graph at one choice for all {w.microbatches} microbatches: "
-        f"{point.time_s * 1e3:.4g} ms, {point.energy_j:.4g} J per iteration of {gpus} GPUs")
+        f"{point.time_s * 1e3:.4g} ms, {point.energy_j:.4g} J per iteration of {gpus} GPUs; "
+        f"the plan holds costs per GPU, {point.energy_j / gpus:.4g} J")
 
 
 def pipeline_plan(plan: OfflinePlan, kareus_version: str) -> Plan:

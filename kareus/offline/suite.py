@@ -150,10 +150,11 @@ def run_suite(
                                     cache_dir=cache_dir, max_solve_s=MAX_SOLVE_S)
             seconds = time.perf_counter() - began
             plans.append(plan)
-            console.print(report.frontier_table(plan))
-            report.write_png(out_dir / f"suite_{case.name}.png", report.figure(plan))
+            result = result_json(plan)
+            console.print(report.frontier_table(result))
+            report.write_png(out_dir / f"suite_{case.name}.png", report.figure(result))
             results.append({"case": dataclasses.asdict(case), "name": case.name,
-                            "seconds": seconds, **result_json(plan)})
+                            "seconds": seconds, **result})
             progress.advance(task)
     console.print(summary_table(cases, plans))
     data = {
@@ -187,7 +188,7 @@ def summary_table(cases: Sequence[Case], plans: Sequence[OfflinePlan]) -> Table:
         else:
             table.add_column(column, justify="right")
     for case, plan in zip(cases, plans, strict=True):
-        rows = list(report.metrics_rows(plan).values())
+        rows = list(report.metrics_rows(plan.metrics()).values())
         shares = "/".join(str(len(r)) for r in plan.workload.stage_layers)
         method = METHOD_FIGURES.get((case.model, case.microbatch_size, case.seq))
         nbp = plan.metrics()["nanobatch_perseus_vs_perseus"]["energy_at_iso_time"]["max"]

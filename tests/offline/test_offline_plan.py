@@ -4,16 +4,21 @@ with one line before anything is written."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
+import os
 import re
 
 import pytest
+from rich.console import Console
 
 import kareus
 from kareus.cli import main
 from kareus.errors import KareusError
 from kareus.models.llama import LlamaConfig
+from kareus.offline import report
 from kareus.offline.plan import plan_offline, step_plan
 from kareus.offline.suite import MATRIX, QUICK, run_suite
 from kareus.offline.trace import compile_microbatch, trace_stages
@@ -21,6 +26,7 @@ from kareus.offline.workload import Workload
 from kareus.planner.budget import Budget, BudgetError
 from kareus.planner.plan import Plan
 from kareus.profiler.progress import make_console
+from kareus.show import ShowError, show
 
 MODEL = LlamaConfig(dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128, n_layers=2, max_seq_len=64)
 DEVICE = "sim:a100-sxm4-40gb"
@@ -186,3 +192,117 @@ def test_a_config_json_that_is_no_decoder_lm_is_refused(tmp_path, capsys):
 def test_every_refusal_is_a_kareus_error():
     with pytest.raises(KareusError):
         Workload.of("llama3.2-1b", tp=3)
+
+
+# -- kareus plan's outputs, as kareus show reads them --------------------------------------
+
+SMALL = ["llama3.2-1b", "--tp", "2", "--microbatches", "1", "--microbatch-size", "1",
+         "--seq-len", "32"]
+"""The smallest workload planned through the command line (seconds)."""
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory):
+    """``kareus plan`` of the small workload once: its directory and what it printed."""
+    out = tmp_path_factory.mktemp("planned")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["plan", *SMALL, "--json", str(out / "result.json"),
+                     "--cache-dir", str(out / "store")]) == 0
+    return out, " ".join(printed.getvalue().split())
+
+
+def test_kareus_plan_names_its_two_jsons_and_show_reads_both(planned, tmp_path):
+    """--json is the result, --plan-json (beside it, .plan.json) the plan option's file;
+    the output says which is which, and kareus show takes either."""
+    out, printed = planned
+    result, plan = out / "result.json", out / "result.plan.json"
+    assert sorted(p.name for p in out.glob("*.json")) == ["result.json", "result.plan.json"]
+    assert f"wrote the plan for the plan option: {plan} " in printed
+    assert "wrote the plan result (every method's frontier" in printed
+    assert printed.index(f": {result} ") > printed.index("wrote the plan result")
+    assert Plan.load(plan).pipeline is None
+    text = Console(record=True, width=200)
+    png = show(result, tmp_path / "result.png", text)
+    assert png.read_bytes().startswith(b"\x89PNG")
+    shown = text.export_text()
+    assert f"plan result {result} by kareus {kareus.__version__} (kareus plan --json" in shown
+    assert "chosen (kareus)" in shown and "metrics (modelled)" in shown
+    assert show(plan, tmp_path / "plan.png", Console(record=True)).exists()
+
+
+def test_plan_and_show_say_whose_energy_they_print(planned, tmp_path):
+    """The result's costs are per iteration of all tp x pp GPUs, the plan option's per GPU;
+    each output says which."""
+    out, printed = planned
+    result = json.loads((out / "result.json").read_text())
+    step = Plan.load(out / "result.plan.json")
+    assert step.predicted.energy_j == pytest.approx(result["chosen"]["energy_j"] / 2)
+    assert "time and energy per iteration of 2 GPUs" in printed  # the frontier table
+    assert f"{result['chosen']['energy_j']:.4g} J per iteration of 2 GPUs" in printed
+    assert f"the plan holds costs per GPU, {step.predicted.energy_j:.4g} J" in printed
+    text = Console(record=True, width=200)
+    show(out / "result.json", tmp_path / "result.png", text)
+    assert "time and energy per iteration of 2 GPUs" in text.export_text()
+    text = Console(record=True, width=200)
+    show(out / "result.plan.json", tmp_path / "plan.png", text)
+    shown = text.export_text()
+    assert f"predicted step (per GPU): {step.predicted.time_s * 1e3:.4g} ms" in shown
+    assert "eff. energy mJ per GPU" in shown and "W per GPU" in shown
+
+
+NEITHER = ("neither a kareus plan nor a plan result of kareus plan --json (it has no schema "
+           "field, nor workload, device, frontiers, chosen, metrics fields)")
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda r: r.pop("chosen"), NEITHER),
+    (lambda r: r["frontiers"].pop("baseline"),
+     "a plan result whose frontiers is not lists of {time_s, energy_j}"),
+    (lambda r: r["workload"].pop("gpus"), "a plan result whose workload is not an object of"),
+    (lambda r: r["metrics"].pop("kareus_vs_perseus"),
+     "a plan result whose metrics is not as kareus plan --json writes them"),
+])
+def test_a_result_show_cannot_read_is_one_short_line(planned, tmp_path, damage, message):
+    out, _ = planned
+    raw = json.loads((out / "result.json").read_text())
+    damage(raw)
+    path = tmp_path / "damaged.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ShowError) as info:
+        show(path, console=Console(record=True))
+    said = str(info.value)
+    assert said.startswith(f"{path}: ") and message in said, said
+    assert len(said) < 400 and "\n" not in said
+    assert not (tmp_path / "damaged.png").exists()
+
+
+def test_an_output_the_file_system_refuses_fails_before_planning(monkeypatch, capsys):
+    """Run as root, os.access says yes to /proc and the planning took 20 s before writing
+    failed; opening the file is asked instead, before anything is traced."""
+    if not os.path.isdir("/proc/self"):
+        pytest.skip("no /proc")
+    monkeypatch.setattr(os, "access", lambda *args, **kwargs: True)
+
+    def plan_offline(*args, **kwargs):
+        raise AssertionError("planned before the outputs were checked")
+
+    monkeypatch.setattr("kareus.offline.plan.plan_offline", plan_offline)
+    assert main(["plan", *SMALL, "--json", "/proc/kareus-test.json"]) == 2
+    out = capsys.readouterr().out
+    assert out.startswith("kareus plan: /proc/kareus-test.json: cannot write there")
+    assert out.count("\n") == 1
+
+
+def test_the_writability_probe_leaves_nothing_behind(tmp_path):
+    (tmp_path / "kept.json").write_text("kept")
+    report.writable(tmp_path / "kept.json")
+    report.writable(tmp_path / "new" / "deeper" / "result.json")
+    assert [p.name for p in tmp_path.iterdir()] == ["kept.json"]
+    assert (tmp_path / "kept.json").read_text() == "kept"
+
+
+def test_two_outputs_of_one_name_are_refused(tmp_path, capsys):
+    path = str(tmp_path / "plan.json")
+    assert main(["plan", *SMALL, "--json", path, "--plan-json", path]) == 2
+    assert "--json and --plan-json name the same file" in capsys.readouterr().out
