@@ -354,6 +354,9 @@ class _Nullable:
 
 _TEXT = _Rule(lambda v: isinstance(v, str) and v != "", "a non-empty string")
 _AMOUNT = _Rule(lambda v: _finite(v) and v >= 0, "a finite number >= 0")
+# Energy above the device's static power: below 0 where a measured GPU drew less than the
+# static power assumed for it (a plan made on such a measurement must load back).
+_EFFECTIVE = _Rule(_finite, "a finite number")
 _POSITIVE = _Rule(lambda v: _finite(v) and v > 0, "a finite number > 0")
 _COST = {"time_s": _AMOUNT, "energy_j": _AMOUNT}
 
@@ -372,7 +375,7 @@ _GRAPH = {
     "graph_hash": _TEXT,
     "choice": _CHOICE,
     "time_s": _AMOUNT,
-    "effective_energy_j": _AMOUNT,
+    "effective_energy_j": _EFFECTIVE,
 }
 _COUNT = _Rule(lambda v: _integer(v) and v >= 1, "an integer >= 1")
 _INDEX = _Rule(lambda v: _integer(v) and v >= 0, "an integer >= 0")
@@ -392,7 +395,7 @@ _INSTRUCTION = {
     "graphs": [_INSTRUCTION_GRAPH],
     "start_s": _AMOUNT,
     "time_s": _AMOUNT,
-    "effective_energy_j": _AMOUNT,
+    "effective_energy_j": _EFFECTIVE,
 }
 _BUDGET = {
     "kind": _Rule(lambda v: v in ("fastest", "energy", "time", "tradeoff"),

@@ -320,3 +320,15 @@ def test_a_damaged_measurement_is_refused_naming_its_field(gpu, field, value, me
     raw["measured"][field] = value
     with pytest.raises(PlanError, match=f"^plan.json: {message}"):
         Plan.from_json(json.dumps(raw), "plan.json")
+
+
+def test_a_plan_whose_gpu_drew_less_than_the_static_power_loads_back(gpu, tmp_path):
+    """A measured graph's energy above static is negative where the GPU drew less than the
+    static power assumed for it; the plan made on it must load back, not be refused."""
+    plan = make_plan([FORWARD, BACKWARD], Budget.parse(time_budget=1.2), gpu,
+                     {"nanobatches": "auto"}, "0.1.0")
+    raw = json.loads(plan.to_json())
+    raw["graphs"][0]["effective_energy_j"] = -0.25
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(raw))
+    assert Plan.load(path).graphs[0].effective_energy_j == -0.25
