@@ -144,6 +144,7 @@ class KareusBackend:
                 build(), self.store_dir / "plans", counts=options.plan_counts,
                 microbatches=options.microbatches, timeout_s=options.agreement_timeout_s,
                 given=self._given_plan, publish=self.runtime.backends.publish,
+                budget_defaulted=options.budget_defaulted,
             )
         return self._planner
 

@@ -333,6 +333,11 @@ class KareusOptions:
             )
 
     @property
+    def budget_defaulted(self) -> bool:
+        """Whether the budget is kareus's default, none given."""
+        return all(self.sources[name] == DEFAULT_SOURCE for name in BUDGETS)
+
+    @property
     def budget(self) -> Budget:
         """What the plan optimises for (``planner.budget``)."""
         return Budget.parse(self.energy_budget, self.time_budget, self.energy_time_tradeoff)

@@ -86,7 +86,8 @@ def _worker(rank, port, out_dir, cache_dir, case):
             results["energy"] = _train(gpu, {"nanobatches": 2, "energy_budget": 0.9},
                                        cache_dir)
         else:
-            results["fastest"] = _train(gpu, {"nanobatches": "auto"}, cache_dir)
+            results["fastest"] = _train(gpu, {"nanobatches": "auto", "time_budget": None},
+                                        cache_dir)
             try:
                 _train(gpu, {"nanobatches": "auto", "energy_budget": 0.5}, cache_dir, steps=1)
             except BudgetError as exc:

@@ -14,6 +14,7 @@ import kareus
 from kareus import KareusBackend
 from kareus.devices.errors import GPUSpecError
 from kareus.options import KareusOptionError, KareusOptions
+from kareus.planner.budget import BudgetError
 from kareus.planner.plan import PlanError
 
 
@@ -225,3 +226,22 @@ def test_explain_says_where_each_option_came_from(fresh_runtime, monkeypatch, ca
     rows = {line.split("│")[1].strip(): line for line in table.splitlines() if "│" in line}
     assert "$KAREUS_OPTIONS" in rows["seed"] and "7" in rows["seed"]
     assert "code" in rows["lowering"] and "default" in rows["device"]
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_a_default_budget_no_plan_meets_runs_the_fastest_a_given_one_fails(
+        fresh_runtime, monkeypatch, caplog, given):
+    """On a real GPU the plans and the baseline are measured apart, and may disagree so far
+    that no plan meets even the baseline's time: a job that asked for no budget then runs the
+    fastest plan, one that asked for it is told no plan meets it."""
+    monkeypatch.setattr("kareus.planner.budget.limit_of", lambda budget, baseline: 0.0)
+    options = {**ON_A100, **({"time_budget": 1.0} if given else {})}
+    if given:
+        with pytest.raises(BudgetError, match="no plan meets the time budget 1"):
+            _step(options)
+        return
+    with caplog.at_level(logging.WARNING, logger="kareus"):
+        plan = _step(options)
+    assert plan.predicted == plan.frontier[0]  # the fastest
+    assert any("no budget was given (the default is time_budget=1.0), so the fastest plan "
+               "runs" in r.getMessage() for r in caplog.records)

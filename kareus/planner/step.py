@@ -55,6 +55,9 @@ class StepPlanner:
     ``options``: all the backend's options (recorded in the plan); ``planning``: those that
     change what a plan chooses, which name the plan stored for the next run; ``counts``:
     the nanobatch counts a graph may be planned at (None: each graph's own).
+    ``budget_defaulted``: nobody asked for ``budget`` (kareus's default): where no plan
+    meets it (measurements of the plans and of the baseline that disagree), the fastest
+    plan runs with a warning instead of failing the job the user never gave a budget.
     """
 
     def __init__(
@@ -71,8 +74,10 @@ class StepPlanner:
         timeout_s: float,
         given: Plan | None = None,
         publish: Callable[[Plan], None] = lambda plan: None,
+        budget_defaulted: bool = False,
     ) -> None:
         self.options, self.budget, self.device = dict(options), budget, device
+        self.budget_defaulted = budget_defaulted
         self.kareus_version, self.counts = kareus_version, counts
         self.microbatches, self.timeout_s, self.publish = microbatches, timeout_s, publish
         self.plan: Plan | None = None
@@ -173,9 +178,14 @@ class StepPlanner:
             plan = self.make()
         except BudgetError as exc:
             limitation = self.device.clock_limitation
-            if limitation is None:
+            if self.budget_defaulted:
+                log.warning("%s%s; no budget was given (the default is time_budget=1.0), so "
+                            "the fastest plan runs", exc, f"; {limitation}" if limitation else "")
+                plan = self.make(Budget("fastest"))
+            elif limitation is None:
                 raise
-            raise BudgetError(f"{exc}; {limitation}") from exc
+            else:
+                raise BudgetError(f"{exc}; {limitation}") from exc
         verdict = agree(f"{compile_key}/plan", plan.digest, self.groups(),
                         timeout_s=self.timeout_s)
         if not verdict:
@@ -250,11 +260,11 @@ class StepPlanner:
                                        else -g.region))
         return tuple((g.kind, g.region, g.frontier) for g in graphs)
 
-    def make(self) -> Plan:
-        """The step's plan: its graphs in step order (``frontiers``), under the budget (a
-        ``BudgetError`` where none meets it)."""
-        return make_plan([f for _, _, f in self.frontiers()], self.budget, self.device,
-                         self.options, self.kareus_version, self.microbatches)
+    def make(self, budget: Budget | None = None) -> Plan:
+        """The step's plan: its graphs in step order (``frontiers``), under ``budget``
+        (default: the planner's; a ``BudgetError`` where none meets it)."""
+        return make_plan([f for _, _, f in self.frontiers()], budget or self.budget,
+                         self.device, self.options, self.kareus_version, self.microbatches)
 
     def adopt(self, plan: Plan, store: bool = True) -> None:
         """Run ``plan`` from now on (and store it for the next run)."""
