@@ -194,8 +194,8 @@ class StepPlanner:
             return
         self.adopt(plan)
         idle = constrains_nothing(plan.frontier, plan.baseline, plan.budget)
-        if idle:
-            log.warning("%s", idle)
+        if idle:  # news to whoever gave the budget; the default's is no surprise
+            log.log(logging.INFO if self.budget_defaulted else logging.WARNING, "%s", idle)
         log.info(
             "kareus plan: %.4g s, %.4g J per step and GPU (baseline %.4g s, %.4g J); %s",
             plan.predicted.time_s, plan.predicted.energy_j, plan.baseline.time_s,
