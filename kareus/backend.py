@@ -30,7 +30,13 @@ from kareus.codegen.partitioner import partitioner_config
 from kareus.devices.base import Device
 from kareus.devices.resolve import check_device
 from kareus.errors import KareusError
-from kareus.options import OPTIONS_FILE_VARIABLE, OPTIONS_VARIABLE, KareusOptionError, KareusOptions
+from kareus.options import (
+    DEFAULT_SOURCE,
+    OPTIONS_FILE_VARIABLE,
+    OPTIONS_VARIABLE,
+    KareusOptionError,
+    KareusOptions,
+)
 from kareus.passes.analyse import ForwardInterfaces, analyse
 from kareus.passes.decide import Policy, VariantChooser, decide, earliest_slots, follow
 from kareus.passes.unwrap import opened_notes, unwrap_collectives
@@ -145,6 +151,8 @@ class KareusBackend:
                 microbatches=options.microbatches, timeout_s=options.agreement_timeout_s,
                 given=self._given_plan, publish=self.runtime.backends.publish,
                 budget_defaulted=options.budget_defaulted,
+                option_sources={name: source for name, source in options.sources.items()
+                                if source != DEFAULT_SOURCE},
             )
         return self._planner
 

@@ -296,6 +296,9 @@ def _plan_summary(plan: Plan) -> list[str]:
          f"frequency-only {len(plan.frequency_only)}"),
         (f"device: {plan.device}{model}, static power {_num(plan.static_power_w)} W per GPU; "
          f"kareus {plan.kareus_version}"),
+        "options given: " + ("; ".join(
+            f"{name}={plan.options.get(name)!r} ({source})"
+            for name, source in sorted(plan.option_sources.items())) or "none (all defaults)"),
     ]
 
 

@@ -245,3 +245,20 @@ def test_a_default_budget_no_plan_meets_runs_the_fastest_a_given_one_fails(
     assert plan.predicted == plan.frontier[0]  # the fastest
     assert any("no budget was given (the default is time_budget=1.0), so the fastest plan "
                "runs" in r.getMessage() for r in caplog.records)
+
+
+def test_the_plan_records_where_its_options_came_from_and_show_prints_it(
+        fresh_runtime, monkeypatch, tmp_path):
+    from rich.console import Console
+
+    from kareus.show import show
+
+    monkeypatch.setenv("KAREUS_OPTIONS", '{"energy_budget": 0.97}')
+    plan = _step(ON_A100)
+    assert plan.option_sources == {"device": "code", "lowering": "code",
+                                   "energy_budget": "$KAREUS_OPTIONS"}
+    path = plan.save(tmp_path / "plan.json")
+    out = Console(record=True, width=300)
+    show(path, console=out)
+    assert ("options given: device='sim:a100-sxm4-40gb' (code); energy_budget=0.97 "
+            "($KAREUS_OPTIONS); lowering='eager' (code)") in out.export_text()

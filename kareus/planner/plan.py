@@ -154,6 +154,9 @@ class Plan:
     pipeline: PipelineLayout | None = None
     instructions: tuple[InstructionPlan, ...] = ()
     measured: StepMeasurement | None = None  # on this rank, from the latest window
+    option_sources: dict[str, str] = dataclasses.field(default_factory=dict)
+    """The options the run that made the plan was given, each with where from ("code",
+    "$KAREUS_OPTIONS", ...; the rest were defaults)."""
     schema: int = PLAN_SCHEMA
 
     def instruction(self, stage: int, microbatch: int, kind: str) -> InstructionPlan | None:
@@ -230,6 +233,7 @@ class Plan:
             instructions=tuple(InstructionPlan.from_dict(i) for i in raw["instructions"]),
             measured=None if raw.get("measured") is None else StepMeasurement.from_dict(
                 raw["measured"]),
+            option_sources=dict(raw.get("option_sources", {})),
             **{k: raw[k] for k in ("device", "model_version", "static_power_w", "options",
                                    "kareus_version")},
         )
@@ -429,7 +433,9 @@ _PLAN_3 = {  # "schema" is checked first: another schema's fields are another's
     "pipeline": _Nullable(_LAYOUT),
     "instructions": [_INSTRUCTION],
 }
-_PLAN = {**_PLAN_3, "measured": _Nullable(_MEASURED)}
+_PLAN = {**_PLAN_3, "measured": _Nullable(_MEASURED), "option_sources": _Rule(
+    lambda v: isinstance(v, dict) and all(isinstance(x, str) and x for x in v.values()),
+    "a JSON object of non-empty strings")}
 _PLANS = {3: _PLAN_3, PLAN_SCHEMA: _PLAN}
 assert all(set(fields) == {f.name for f in dataclasses.fields(record)} for record, fields in (
     (Plan, {*_PLAN, "schema"}), (StepMeasurement, _MEASURED), (GraphPlan, _GRAPH),

@@ -55,7 +55,8 @@ class StepPlanner:
     ``options``: all the backend's options (recorded in the plan); ``planning``: those that
     change what a plan chooses, which name the plan stored for the next run; ``counts``:
     the nanobatch counts a graph may be planned at (None: each graph's own).
-    ``budget_defaulted``: nobody asked for ``budget`` (kareus's default): where no plan
+    ``option_sources``: where each option given came from, recorded in the plans this
+    run makes. ``budget_defaulted``: nobody asked for ``budget`` (kareus's default): where no plan
     meets it (measurements of the plans and of the baseline that disagree), the fastest
     plan runs with a warning instead of failing the job the user never gave a budget.
     """
@@ -75,9 +76,11 @@ class StepPlanner:
         given: Plan | None = None,
         publish: Callable[[Plan], None] = lambda plan: None,
         budget_defaulted: bool = False,
+        option_sources: Mapping[str, str] | None = None,
     ) -> None:
         self.options, self.budget, self.device = dict(options), budget, device
         self.budget_defaulted = budget_defaulted
+        self.option_sources = dict(option_sources or {})
         self.kareus_version, self.counts = kareus_version, counts
         self.microbatches, self.timeout_s, self.publish = microbatches, timeout_s, publish
         self.plan: Plan | None = None
@@ -267,7 +270,10 @@ class StepPlanner:
                          self.device, self.options, self.kareus_version, self.microbatches)
 
     def adopt(self, plan: Plan, store: bool = True) -> None:
-        """Run ``plan`` from now on (and store it for the next run)."""
+        """Run ``plan`` from now on (and store it for the next run, with where this run's
+        options came from)."""
+        if store:
+            plan = dataclasses.replace(plan, option_sources=self.option_sources)
         self._run(plan, store)
         if store:
             self._save(self.plan)
