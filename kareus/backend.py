@@ -40,6 +40,7 @@ from kareus.options import (
 from kareus.passes.analyse import ForwardInterfaces, analyse
 from kareus.passes.decide import Policy, VariantChooser, decide, earliest_slots, follow
 from kareus.passes.unwrap import opened_notes, unwrap_collectives
+from kareus.passes.variants import NANOBATCH_COUNTS
 from kareus.planner.graph import device_cost
 from kareus.planner.measured import FirstCallPlanning
 from kareus.planner.pipeline_step import PipelinePlanning
@@ -199,8 +200,9 @@ class KareusBackend:
             return
         options = self.options
         given = options.given()
-        if options.plans(options.plan_counts or (1, 2, 4), policy_in_code=self._policy_in_code):
-            what = f"plans each step on {self.device.name} for {_budget_text(options)}"
+        if options.plans(NANOBATCH_COUNTS, policy_in_code=self._policy_in_code):  # any graph
+            what = (f"plans each step on {self.device.name} for {options.budget.describe()} "
+                    f"(nanobatches={options.nanobatches!r})")
         elif options.plan is not None:
             what = f"runs the plan {options.plan}"
         else:
@@ -330,21 +332,6 @@ class KareusBackend:
 
     def numbered_reports(self) -> list[tuple[int, GraphReport]]:
         return self._reports.numbered()
-
-
-def _budget_text(options: KareusOptions) -> str:
-    """What the budget asks, in words."""
-    budget = options.budget
-    if budget.kind == "fastest":
-        asked = "the fastest step"
-    elif budget.kind == "tradeoff":
-        asked = f"the least eta x energy + (1 - eta) x P_max x time, eta = {budget.value:g}"
-    else:
-        amount = (f"{budget.fraction:g} x the baseline's" if budget.fraction is not None
-                  else f"{budget.value:g} {'J' if budget.kind == 'energy' else 's'} of")
-        asked = (f"the least energy within {amount} step time" if budget.kind == "time"
-                 else f"the least time within {amount} step energy")
-    return f"{asked} (nanobatches={options.nanobatches!r})"
 
 
 def _world_size() -> int:

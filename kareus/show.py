@@ -34,7 +34,6 @@ from rich.table import Table
 
 from kareus.errors import KareusError
 from kareus.passes.ops import DEFAULT_CLOCK_MHZ
-from kareus.planner.budget import Budget
 from kareus.planner.plan import InstructionPlan, PipelineLayout, Plan, PlanError
 from kareus.profiler.progress import make_console
 from kareus.profiler.store import (
@@ -292,7 +291,7 @@ def _plan_summary(plan: Plan) -> list[str]:
          f"{_ratio(p.time_s, b.time_s)}, energy {_ratio(p.energy_j, b.energy_j)} of the "
          "baseline"),
         _measured_text(plan),
-        (f"budget: {_budget_text(plan.budget)}; frontier {len(plan.frontier)} points, "
+        (f"budget: {plan.budget.describe()}; frontier {len(plan.frontier)} points, "
          f"frequency-only {len(plan.frequency_only)}"),
         (f"device: {plan.device}{model}, static power {_num(plan.static_power_w)} W per GPU; "
          f"kareus {plan.kareus_version}"),
@@ -321,17 +320,6 @@ def _measured_text(plan: Plan) -> str:
     return (f"measured per step (rank {m.rank}, steps {m.first_step}-"
             f"{m.first_step + m.steps - 1}, {m.method}): {_num(m.time_s * 1e3)} ms, "
             f"{_num(m.energy_j)} J on its GPU{every}{against}")
-
-
-def _budget_text(budget: Budget) -> str:
-    if budget.kind == "fastest":
-        return "fastest"
-    if budget.kind == "tradeoff":
-        return f"energy-time tradeoff, eta {budget.value:g}"
-    unit = "J" if budget.kind == "energy" else "s"
-    limit = (f"{budget.fraction:g} of the baseline" if budget.fraction is not None
-             else f"{_num(budget.value)} {unit}")
-    return f"{budget.kind} <= {limit}"
 
 
 def _plan_figure(plan: Plan) -> Figure:

@@ -81,7 +81,7 @@ def test_the_bare_name_plans_the_least_energy_at_the_baselines_time(fresh_runtim
     said = [r for r in caplog.records if "change it with" in r.getMessage()]
     assert len(said) == 1, "said once"
     assert said[0].levelno == logging.WARNING  # nothing was asked: say it loudly
-    assert "least energy within 1 x the baseline's step time" in said[0].getMessage()
+    assert "the least energy with time <= 1 of the baseline" in said[0].getMessage()
     assert "KAREUS_OPTIONS" in said[0].getMessage()
 
 
@@ -262,3 +262,20 @@ def test_the_plan_records_where_its_options_came_from_and_show_prints_it(
     show(path, console=out)
     assert ("options given: device='sim:a100-sxm4-40gb' (code); energy_budget=0.97 "
             "($KAREUS_OPTIONS); lowering='eager' (code)") in out.export_text()
+
+
+@pytest.mark.parametrize("mode, autotuned", [("max-autotune", True), (None, False)])
+def test_max_autotune_reaches_inductors_config(monkeypatch, mode, autotuned):
+    import kareus.backend
+
+    patches = []
+    real = kareus.backend.compile_fx
+
+    def recording(gm, inputs, **kwargs):
+        patches.append(kwargs["config_patches"])
+        return real(gm, inputs, **kwargs)
+
+    monkeypatch.setattr(kareus.backend, "compile_fx", recording)
+    backend = KareusBackend({"lowering": "eager", "profile": "off"}, mode=mode)
+    torch.compile(torch.sin, backend=backend)(torch.randn(3))
+    assert [p.get("max_autotune", False) for p in patches] == [autotuned]

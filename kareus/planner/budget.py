@@ -72,6 +72,17 @@ class Budget:
             return cls("tradeoff", value=float(eta))
         return cls("fastest")
 
+    def describe(self) -> str:
+        """What the budget asks for, in words (the backend's log, ``kareus show``)."""
+        if self.kind == "fastest":
+            return "the fastest plan"
+        if self.kind == "tradeoff":
+            return f"the least eta x energy + (1 - eta) x P_max x time, eta {self.value:g}"
+        limit = (f"{self.fraction:g} of the baseline" if self.fraction is not None
+                 else f"{self.value:.4g} {'J' if self.kind == 'energy' else 's'}")
+        goal = "the least energy" if self.kind == "time" else "the fastest plan"
+        return f"{goal} with {self.kind} <= {limit}"
+
     @classmethod
     def _amount(cls, kind: str, name: str, given: float | str) -> Budget:
         units = _UNITS[kind]
