@@ -1,5 +1,6 @@
 """Planning on a real GPU's path, on CPU: 2 gloo ranks, each an ``nvml`` device on a fake
-driver whose power follows the locked clock and the process's activity. Whole graphs are
+driver whose power follows the locked clock (busy throughout: a loaded CI machine's
+scheduling would otherwise move power by more than the clocks do). Whole graphs are
 measured at their first call, stored, planned under a budget, and the plan runs with its
 clock switches; the next run measures nothing; without permission to lock clocks the
 overlap is planned at the default clock and a budget that needs clocks is refused with the
@@ -70,11 +71,12 @@ def _worker(rank, port, out_dir, cache_dir, case):
     from kareus.devices.nvml.gpu import NvmlGPU
     from kareus.planner.budget import BudgetError
 
-    torch.set_num_threads(1)  # activity is this process's CPU share: one core each
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
     try:
-        fake = FakeNvml([FakeGpu(uuid=f"GPU-fake-{rank}", power_model=FakePowerModel.of(),
+        model = FakePowerModel.of(cpu_time=time.monotonic)  # activity 1, on the fake's clock
+        fake = FakeNvml([FakeGpu(uuid=f"GPU-fake-{rank}", power_model=model,
                                  graphics_clocks={1215: CLOCKS})],
                         can_set_clocks=case != "no permission")
         gpu = NvmlGPU(nvml_module=fake, cuda=False, min_window_s=0.05, settle_s=0.0,
