@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch.fx
@@ -217,6 +217,36 @@ class Device(abc.ABC):
         Raises ``UnsupportedClockError`` for a clock the device does not accept and
         ``UnsupportedMeasurementError`` for a cap it cannot apply.
         """
+
+    def measure_batch(
+        self, workloads: Sequence[Workload], clock_mhz: int,
+        agree: Callable[[int], int] | None = None,
+    ) -> list[Measurement]:
+        """Each of ``workloads`` (no SM caps) at ``clock_mhz``, in their order: what
+        :meth:`measure` gives one by one, where a device measures them no better together.
+        A GPU whose energy counter integrates runs them interleaved and recovers each one's
+        energy from the counter's readings (``nvml.multiplex``), the clock switched once.
+        ``agree`` (``Workload.agree``) is the batch's, where ranks run it together: every
+        decision that changes what runs goes through it, in the same order on every rank."""
+        return [self.measure(w if agree is None else replace(w, agree=agree), clock_mhz)
+                for w in workloads]
+
+    def probe_counter(self, cache: Any = None) -> None:
+        """Find how the device's energy counter behaves before measuring on it (a GPU's:
+        seconds, once per GPU model and driver, kept in ``cache``, the profile store:
+        ``ProfileStore.counter``/``record_counter``); a model has nothing to probe."""
+
+    @property
+    def estimates_error(self) -> bool:
+        """Whether :meth:`measure_batch` repeats what it needs itself and states each
+        estimate's error (``details["error"]``, relative): the measurement protocol then
+        takes one answer instead of repeating windows (``profiler.measure``)."""
+        return False
+
+    def check(self, workload: Workload, clock_mhz: int) -> Measurement:
+        """``workload`` at ``clock_mhz`` measured independently of :meth:`measure_batch`,
+        with long windows: what a plan's chosen points are checked against."""
+        return self.measure(workload, clock_mhz)
 
     def estimate(self, gm: torch.fx.GraphModule, world_size: int = 1) -> Measurement | None:
         """Time and energy of one execution of ``gm`` at the default clock (the first

@@ -374,3 +374,52 @@ class GPUSpecError(DeviceError, ValueError):
     """A simulated GPU's spec (a custom JSON file, or a ``GPUSpec`` built in code) is
     invalid; the message names the file where there is one, the field, the value and the
     accepted range."""
+
+
+class EnergyCounterSilentError(EnergyCounterStalledError):
+    """NVML's total-energy counter stopped changing while several variants were measured
+    together (``nvml.multiplex``), which needs its every update."""
+
+    def __init__(self, waited_s: float, changes: int) -> None:
+        DeviceError.__init__(
+            self,
+            f"NVML's total-energy counter did not change for {waited_s:.1f} s while "
+            f"variants were measured together (after {changes} changes): it normally "
+            "updates every 20-100 ms. A counter that updates more rarely needs windowed "
+            "measurement (NvmlGPU(counter=...) with integrates=False); one that never "
+            "advances is a driver problem: check that the NVIDIA driver is loaded and "
+            "current (some vGPU and container setups freeze the counter)."
+        )
+
+
+class CounterProbeError(DeviceError):
+    """The probe of how a GPU's energy counter behaves (``devices.nvml.counter``) could not
+    tell its update period or whether it integrates the power."""
+
+    def __init__(self, gpu: str, reason: str) -> None:
+        super().__init__(f"Cannot tell how NVML's total-energy counter of {gpu} behaves: {reason}.")
+
+
+class CounterProbeStalledError(CounterProbeError, EnergyCounterStalledError):
+    """The energy counter did not change while the probe kept the GPU busy; also an
+    ``EnergyCounterStalledError``, so callers that handle a stalled counter handle it."""
+
+    def __init__(self, gpu: str, stall_s: float) -> None:
+        DeviceError.__init__(
+            self,
+            f"NVML's total-energy counter of {gpu} did not change during {stall_s:.2f} s of "
+            "load, so energy cannot be measured on it: the counter normally updates every "
+            "20-100 ms. A counter that never advances is a driver problem: check that the "
+            "NVIDIA driver is loaded and current (some vGPU and container setups freeze the "
+            f"counter), or {SIMULATED_ALTERNATIVE}.",
+        )
+
+
+class CounterBehaviourFormatError(DeviceError, ValueError):
+    """A stored record of how an energy counter behaves (``CounterBehaviour``) is malformed."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(
+            f"Malformed energy counter behaviour record: {reason}. Delete the record: the "
+            "counter is probed again (a few seconds) the next time the GPU is used."
+        )

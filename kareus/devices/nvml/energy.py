@@ -5,6 +5,8 @@ updates every ~20-100 ms (REFERENCE.md s4), so a workload is repeated until one 
 lasts at least ``min_window_s`` and the window is divided by the repeat count; where the
 counter is unsupported, power is polled by a background thread and integrated. Time is the
 CUDA-event time of the window (wall clock without CUDA), also divided by the repeats.
+Several workloads at one clock are measured together where the counter integrates
+(``measure_many``: ``nvml.multiplex``), at a tenth of the cost of a window each.
 
 A counter that did not advance within a window (it updates more rarely than the window
 lasts, or not at all) would give zero energy: such a window is lengthened by doubling its
@@ -15,11 +17,11 @@ right to within one counter update.
 
 from __future__ import annotations
 
+import copy
 import logging
-import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -30,7 +32,17 @@ from kareus.devices.base import EnergyReading
 from kareus.devices.errors import (
     EnergyCounterStalledError,
     EnergyUnavailableError,
+    UnsupportedMeasurementError,
     nvml_error_code,
+)
+from kareus.devices.nvml.multiplex import (
+    DEFAULT_POLICY,
+    Agree,
+    Multiplexed,
+    MultiplexPolicy,
+    multiplex,
+    run_timed,
+    runs_to_fill,
 )
 
 if TYPE_CHECKING:
@@ -160,6 +172,7 @@ class NvmlEnergyMeter:
         poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
         cuda: bool = False,
         timer: Callable[[], float] = time.perf_counter,
+        multiplexing: MultiplexPolicy = DEFAULT_POLICY,
     ) -> None:
         self._nvml = nvml
         self._handle = handle
@@ -168,6 +181,7 @@ class NvmlEnergyMeter:
         self._poll_interval_s = poll_interval_s
         self._cuda = cuda
         self._timer = timer
+        self.multiplexing = multiplexing
         self._use_counter = self._energy_counter_supported()
         self._warned_stall = False
 
@@ -179,6 +193,10 @@ class NvmlEnergyMeter:
     @property
     def method(self) -> str:
         return EnergyCounter.method if self._use_counter else PowerSampler.method
+
+    def counter_mj(self) -> int:
+        """The energy counter now (mJ since driver load); NVMLError where unsupported."""
+        return self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle)
 
     def power_w(self) -> float:
         """Board power now (NVML's power reading, averaged by the driver over ~1 s)."""
@@ -194,12 +212,45 @@ class NvmlEnergyMeter:
         stalled: it raises ``EnergyCounterStalledError`` only after the last of them."""
         decide = agree or (lambda runs: runs)
         warmup = self._window(run, 1)
-        window = self._window(run, decide(self._runs_to_fill(warmup, self.min_window_s)))
+        window = self._window(run, decide(_runs_to_fill(warmup, self.min_window_s)))
         while runs := decide(self._more_runs(window)):
             window = self._window(run, runs)
         if self._stalled(window):
             raise EnergyCounterStalledError(self.gpu, window.wall_s, window.runs, self.min_window_s)
         return window
+
+    def lengthened(self, min_window_s: float) -> NvmlEnergyMeter:
+        """This meter with windows of at least ``min_window_s`` (never shorter than its own)."""
+        meter = copy.copy(self)
+        meter.min_window_s = max(self.min_window_s, min_window_s)
+        return meter
+
+    def measure_many(
+        self,
+        runs: Sequence[Callable[[], object]],
+        agree: Agree | None = None,
+        seed: int = 0,
+        *,
+        period_s: float | None = None,
+    ) -> Multiplexed:
+        """Each of ``runs`` measured together, interleaved in blocks, its energy recovered
+        from the counter's updates (``nvml.multiplex``; the first run is the control). Only
+        for a counter that integrates power continuously, updating every ``period_s`` (None:
+        told from its updates); ``seed`` and ``agree`` must be every rank's."""
+        if not self._use_counter:
+            raise UnsupportedMeasurementError(
+                self.gpu, "multiplexed energy", "it has no NVML energy counter to read"
+            )
+        return multiplex(
+            runs,
+            read_mj=self.counter_mj,
+            timer=self._timer,
+            policy=self.multiplexing,
+            seed=seed,
+            agree=agree,
+            cuda=self._cuda,
+            period_s=period_s,
+        )
 
     def reading(self) -> EnergyReading | None:
         """The timer and the energy counter now, once the work queued on the GPU ran (with
@@ -225,8 +276,8 @@ class NvmlEnergyMeter:
         if stalled:
             self._warn_stalled(window)
         # Short: the warm-up overestimated one run. Stalled: the counter updates more rarely.
-        runs = max(2 * window.runs, self._runs_to_fill(window, self.min_window_s))
-        return min(runs, self._runs_to_fill(window, self.max_window_s))
+        runs = max(2 * window.runs, _runs_to_fill(window, self.min_window_s))
+        return min(runs, _runs_to_fill(window, self.max_window_s))
 
     def _stalled(self, window: Window) -> bool:
         """Time passed but the energy counter did not advance."""
@@ -265,33 +316,17 @@ class NvmlEnergyMeter:
         return False
 
     def _energy(self) -> EnergyCounter | PowerSampler:
-        nvml, handle = self._nvml, self._handle
         if self._use_counter:
-            return EnergyCounter(lambda: nvml.nvmlDeviceGetTotalEnergyConsumption(handle))
+            return EnergyCounter(self.counter_mj)
         return PowerSampler(self.power_w, self._timer, self._poll_interval_s)
-
-    @staticmethod
-    def _runs_to_fill(window: Window, seconds: float) -> int:
-        """Runs expected to fill ``seconds`` with a 10% margin, from a timed window."""
-        per_run_s = max(window.wall_s / window.runs, 1e-6)
-        return max(1, math.ceil(1.1 * seconds / per_run_s))
 
     def _window(self, run: Callable[[], object], runs: int) -> Window:
         """Run ``runs`` times back to back, energy read around them once the stream is idle."""
-        events = _timing_events() if self._cuda else None
         with self._energy() as energy:
-            if events is not None:
-                events[0].record()
-            start = self._timer()
-            for _ in range(runs):
-                run()
-            if events is not None:
-                events[1].record()
-                torch.cuda.synchronize()
-            wall_s = self._timer() - start
-        stream_s = events[0].elapsed_time(events[1]) / 1000.0 if events is not None else None
-        return Window(runs, wall_s, stream_s, energy.joules)
+            start, end, stream_s = run_timed(run, runs, self._timer, self._cuda)
+        return Window(runs, end - start, stream_s, energy.joules)
 
 
-def _timing_events() -> tuple[Any, Any]:
-    return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+def _runs_to_fill(window: Window, seconds: float) -> int:
+    """Runs expected to fill ``seconds`` with a 10% margin, from a timed window."""
+    return runs_to_fill(window.wall_s / window.runs, seconds)

@@ -7,11 +7,18 @@ on it (``nvml.energy.NvmlEnergyMeter``) and the controller that locks its SM clo
 clocks to search and the GPU's static power. At open it asks the controller whether the
 process may lock clocks (``probe_permission``); where it may not, only the default clock
 is searched and ``clock_limitation`` says why.
+
+A batch of workloads at one clock (``measure_batch``) is measured together, interleaved
+(``nvml.multiplex``), where the energy counter integrates the power; whether it does is
+probed once per GPU model and driver (``nvml.counter``), when first needed. Elsewhere each
+workload gets windows long enough for the error a multiplexed estimate would have.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import math
 import os
 import re
 import time
@@ -24,6 +31,8 @@ import torch
 from kareus.closing import Closing
 from kareus.devices.base import Device, EnergyReading, Measurement, Resources, Workload
 from kareus.devices.errors import (
+    CounterProbeError,
+    CounterProbeStalledError,
     DeviceError,
     UnmeasurableWorkloadError,
     UnsupportedMeasurementError,
@@ -35,12 +44,21 @@ from kareus.devices.nvml.clock import (
     no_event,
     record_cuda_event,
 )
+from kareus.devices.nvml.counter import CounterBehaviour, probe_counter
 from kareus.devices.nvml.driver import load_nvml, nvml_text
 from kareus.devices.nvml.energy import (
     DEFAULT_MIN_WINDOW_S,
     DEFAULT_POLL_INTERVAL_S,
+    EnergyCounter,
     NvmlEnergyMeter,
 )
+from kareus.devices.nvml.multiplex import (
+    DEFAULT_POLICY,
+    Agree,
+    CounterCache,
+    MultiplexPolicy,
+)
+from kareus.devices.nvml.multiplex import details as multiplexed_details
 from kareus.devices.nvml.ownership import HeldClockLocks
 from kareus.devices.nvml.select import select_gpu
 from kareus.passes.ops import DEFAULT_CLOCK_MHZ
@@ -49,6 +67,17 @@ logger = logging.getLogger("kareus")
 
 DEFAULT_SETTLE_S = 0.1
 """Wait after a clock switch before measuring: Hopper transitions take about 10-100 ms."""
+
+CHECK_WINDOW_S = 2.0
+"""The window of ``check``: twenty updates of a 100 ms counter, whose readings' staleness
+(at most one update at each end) then weighs at most 10%, and much less on average."""
+
+POWER_UPDATE_S = 0.1
+"""How often NVML's power reading changes (A100/H100: every 100 ms, averaging 25 ms of
+it; Yang et al., SC'24): the update period of a GPU measured by polling power."""
+
+GEMM_SIZE = 4096
+"""Side of the square bf16 matrices the counter probe multiplies to load the GPU."""
 
 SEARCH_STEP_MHZ = 30
 SEARCH_COUNT = 18
@@ -139,10 +168,14 @@ class NvmlGPU(Device, Closing):
         reset_at_exit: bool = True,
         clock_locks: HeldClockLocks | None = None,
         zeusd_socket: str | os.PathLike[str] | None = None,
+        counter: CounterBehaviour | None = None,
+        multiplexing: MultiplexPolicy = DEFAULT_POLICY,
     ) -> None:
         self.dry_run = dry_run
         self._settle_s = settle_s
         self._sleep = sleep
+        self._timer = timer
+        self._counter = counter
         self._nvml = nvml = load_nvml(nvml_module)
         self._clock_limitation: str | None = None
         controller: NvmlClockController | None = None
@@ -173,7 +206,9 @@ class NvmlGPU(Device, Closing):
                 poll_interval_s=poll_interval_s,
                 cuda=cuda,
                 timer=timer,
+                multiplexing=multiplexing,
             )
+            self._cuda = cuda
             self._controller = controller = NvmlClockController(
                 nvml,
                 handle,
@@ -237,6 +272,40 @@ class NvmlGPU(Device, Closing):
     def clock_controller(self) -> NvmlClockController:
         return self._controller
 
+    def counter_behaviour(self, cache: CounterCache | None = None) -> CounterBehaviour:
+        """How this GPU's energy counter behaves: given at open, else found in ``cache``
+        (by GPU model and driver), else probed (a few seconds: a GEMM loop with CUDA, a CPU
+        spin without) and put there; kept on the device either way."""
+        if self._counter is None:
+            driver = nvml_text(self._nvml.nvmlSystemGetDriverVersion())
+            stored = cache.counter(self.gpu_name, driver) if cache is not None else None
+            if stored is not None:
+                self._counter = CounterBehaviour.from_json(stored)
+            else:
+                try:
+                    self._counter = self._probe_counter(driver)
+                except CounterProbeStalledError:
+                    raise
+                except CounterProbeError as exc:
+                    # Not known to integrate: windows, as long as the device's own; not
+                    # kept, so that the next run probes again.
+                    logger.warning("%s; measuring in windows of at least %.2f s instead of "
+                                   "multiplexing", str(exc).rstrip("."), self.meter.min_window_s)
+                    self._counter = CounterBehaviour(self.gpu_name, driver, 0.0, False,
+                                                     math.nan, 0.0)
+                    return self._counter
+                if cache is not None:
+                    cache.record_counter(self.gpu_name, driver, self._counter.to_json())
+        return self._counter
+
+    def probe_counter(self, cache: CounterCache | None = None) -> None:
+        self.counter_behaviour(cache)
+
+    @property
+    def estimates_error(self) -> bool:
+        """True where ``measure_batch`` multiplexes: the counter integrates the power."""
+        return self.meter.method == EnergyCounter.method and self.counter_behaviour().integrates
+
     def measure(
         self, workload: Workload, clock_mhz: int, *, resources: Resources | None = None
     ) -> Measurement:
@@ -249,27 +318,117 @@ class NvmlGPU(Device, Closing):
                 "(runtime.communicators), not by the meter; measure the rewritten graph "
                 "with resources=None",
             )
+        return self._windowed(workload, clock_mhz, self.meter, workload.agree)
+
+    def measure_batch(
+        self, workloads: Sequence[Workload], clock_mhz: int, agree: Agree | None = None
+    ) -> list[Measurement]:
+        """``workloads`` at ``clock_mhz``, the clock set once: multiplexed where the counter
+        integrates (``method`` "nvml-multiplexed", ``details["error"]`` each estimate's
+        relative error), else each in windows of ``fallback_window_s`` (its
+        ``details["min_window_s"]``). The block order's seed comes from the workloads'
+        names, so ranks measuring the same batch draw the same order."""
+        runs = [self._run_of(workload) for workload in workloads]
+        if not self.estimates_error:
+            meter = self.meter.lengthened(self.fallback_window_s)
+            return [
+                self._windowed(w, clock_mhz, meter, agree if agree is not None else w.agree)
+                for w in workloads
+            ]
+        locked = self._at_clock("measure:batch", clock_mhz)
+        result = self.meter.measure_many(
+            runs,
+            agree,
+            batch_seed([workload.name for workload in workloads]),
+            period_s=self.counter_behaviour().update_period_s,
+        )
+        return [
+            Measurement(
+                time_s=estimate.time_s,
+                energy_j=estimate.energy_j,
+                static_power_w=self._static_power_w,
+                clock_mhz=clock_mhz,
+                method="nvml-multiplexed",
+                details={**multiplexed_details(estimate, result, v), "clock_locked": locked},
+            )
+            for v, estimate in enumerate(result.estimates)
+        ]
+
+    @property
+    def fallback_window_s(self) -> float:
+        """The shortest window where ``measure_batch`` cannot multiplex: long enough that
+        the counter's (or the power reading's) update period is at most ``max_error`` of
+        it. A counter that samples part of each period, or a reading that is stale by up
+        to one update at each end of a window, errs by up to about one period's energy; a
+        window of ``period / max_error`` bounds that below the error a multiplexed
+        estimate is held to (6.7 s at 100 ms and 1.5%: the fix of Yang et al., SC'24, for
+        A100/H100 power readings that average 25 of every 100 ms is likewise windows of
+        several seconds, >= 5 s). Never shorter than ``min_window_s``."""
+        period = (
+            self.counter_behaviour().update_period_s
+            if self.meter.method == EnergyCounter.method
+            else POWER_UPDATE_S
+        )
+        return max(self.min_window_s, period / self.meter.multiplexing.max_error)
+
+    def check(self, workload: Workload, clock_mhz: int) -> Measurement:
+        """One window of at least ``CHECK_WINDOW_S``, measured apart from any batch."""
+        return self._windowed(
+            workload, clock_mhz, self.meter.lengthened(CHECK_WINDOW_S), workload.agree
+        )
+
+    def _run_of(self, workload: Workload) -> Callable[[], object]:
         if workload.run is None:
             raise UnmeasurableWorkloadError(
                 workload.name, "run()", "the NVML device measures by running it"
             )
+        return workload.run
+
+    def _at_clock(self, graph: str, clock_mhz: int) -> float:
+        """Set ``clock_mhz`` (settling after a switch): 1.0 where it is really locked, 0.0
+        where the GPU runs its default clocks (a dry run, or no permission)."""
         requested = clock_mhz
         if self._clock_limitation is not None and clock_mhz == self.search_clocks()[0]:
             requested = DEFAULT_CLOCK_MHZ  # the one search clock stands for the default clocks
         switching = requested != self._controller.applied_mhz
-        self._controller.set_clock(f"measure:{workload.name}", requested)
+        self._controller.set_clock(graph, requested)
         self._controller.flush()
         if switching:
             self._sleep(self._settle_s)
-        window = self.meter.measure(workload.run, workload.agree)
-        locked = not self.dry_run and requested != DEFAULT_CLOCK_MHZ
+        return float(not self.dry_run and requested != DEFAULT_CLOCK_MHZ)
+
+    def _windowed(
+        self,
+        workload: Workload,
+        clock_mhz: int,
+        meter: NvmlEnergyMeter,
+        agree: Agree | None,
+    ) -> Measurement:
+        """One window of ``workload`` at ``clock_mhz`` by ``meter``."""
+        run = self._run_of(workload)
+        locked = self._at_clock(f"measure:{workload.name}", clock_mhz)
+        window = meter.measure(run, agree)
         return Measurement(
             time_s=window.time_s,
             energy_j=window.run_energy_j,
             static_power_w=self._static_power_w,
             clock_mhz=clock_mhz,
             method=self.method,
-            details={**window.details(), "clock_locked": float(locked)},
+            details={
+                **window.details(),
+                "min_window_s": meter.min_window_s,
+                "clock_locked": locked,
+            },
+        )
+
+    def _probe_counter(self, driver: str) -> CounterBehaviour:
+        return probe_counter(
+            self.meter.counter_mj,
+            busy=gemm_busy(self._timer) if self._cuda else cpu_busy(self._timer),
+            idle=self._sleep,
+            timer=self._timer,
+            gpu=self.gpu_name,
+            driver=driver,
         )
 
     def close(self) -> None:
@@ -278,6 +437,38 @@ class NvmlGPU(Device, Closing):
             self._controller.close()
         finally:
             self._nvml.nvmlShutdown()
+
+
+def batch_seed(names: Sequence[str]) -> int:
+    """A seed from ``names`` that every process computes alike (unlike ``hash()``)."""
+    digest = hashlib.blake2b("\0".join(names).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+def cpu_busy(timer: Callable[[], float]) -> Callable[[float], None]:
+    """Busy-waits on ``timer``: the load of a GPU measured without CUDA (the tests)."""
+
+    def busy(seconds: float) -> None:
+        end = timer() + seconds
+        while timer() < end:
+            pass
+
+    return busy
+
+
+def gemm_busy(timer: Callable[[], float]) -> Callable[[float], None]:
+    """Multiplies bf16 matrices on the current CUDA device until ``seconds`` pass: a load
+    near the GPU's full power, synchronized so that it stops when the call returns."""
+    a = torch.randn(GEMM_SIZE, GEMM_SIZE, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(a)
+
+    def busy(seconds: float) -> None:
+        end = timer() + seconds
+        while timer() < end:
+            torch.matmul(a, a, out=out)
+            torch.cuda.synchronize()
+
+    return busy
 
 
 def cuda_available() -> bool:
