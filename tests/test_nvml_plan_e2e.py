@@ -1,6 +1,7 @@
-"""Planning on a real GPU's path, on CPU: 2 gloo ranks, each an ``nvml`` device on a fake
-driver whose power follows the locked clock (busy throughout: a loaded CI machine's
-scheduling would otherwise move power by more than the clocks do). Whole graphs are
+"""Planning on a real GPU's path, on CPU, under the multiplexed protocol: 2 gloo ranks,
+each an ``nvml`` device on a fake driver whose power follows the locked clock (busy
+throughout: a loaded CI machine's scheduling would otherwise move power by more than the
+clocks do). Whole graphs are
 measured at their first call, stored, planned under a budget, and the plan runs with its
 clock switches; the next run measures nothing; without permission to lock clocks the
 overlap is planned at the default clock and a budget that needs clocks is refused with the
@@ -35,14 +36,14 @@ def _train(gpu, options, cache_dir, steps=3):
     from kareus.profiler import graph_cost, profile
 
     measured = []
-    for module in (graph_cost, profile):
-        original = module.measure_variant
+    for module, name in ((graph_cost, "measure_batch"), (profile, "measure_variant")):
+        original = getattr(module, name)
 
-        def counting(*args, _original=original, **kwargs):
-            measured.append(args[1].name)
-            return _original(*args, **kwargs)
+        def counting(device, work, *args, _original=original, **kwargs):
+            measured.extend(w.name for w in (work if isinstance(work, list) else [work]))
+            return _original(device, work, *args, **kwargs)
 
-        module.measure_variant = counting
+        setattr(module, name, counting)
     torch._dynamo.reset()
     backend = kareus.KareusBackend(
         {"lowering": "eager", "cache_dir": cache_dir, "search_budget": 3,
@@ -68,8 +69,10 @@ def _train(gpu, options, cache_dir, steps=3):
 def _worker(rank, port, out_dir, cache_dir, case):
     from fake_pynvml import FakeGpu, FakeNvml, FakePowerModel
 
+    from kareus.devices.nvml.counter import CounterBehaviour
     from kareus.devices.nvml.gpu import NvmlGPU
     from kareus.planner.budget import BudgetError
+    from kareus.profiler.store import ProfileStore
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -79,8 +82,10 @@ def _worker(rank, port, out_dir, cache_dir, case):
         fake = FakeNvml([FakeGpu(uuid=f"GPU-fake-{rank}", power_model=model,
                                  graphics_clocks={1215: CLOCKS})],
                         can_set_clocks=case != "no permission")
+        # the counter as a probe finds a continuous one (tests/devices/test_counter.py)
+        counter = CounterBehaviour(fake.gpus[0].name, "fake", 0.001, True, 0.0, 0.0)
         gpu = NvmlGPU(nvml_module=fake, cuda=False, min_window_s=0.05, settle_s=0.0,
-                      reset_at_exit=False)
+                      reset_at_exit=False, counter=counter)
         results = {"search_clocks": gpu.search_clocks()}
         if rank == 1 and case == "first":
             time.sleep(2.0)  # the slow rank: the other waits for it at every exchange
@@ -94,6 +99,9 @@ def _worker(rank, port, out_dir, cache_dir, case):
                 _train(gpu, {"nanobatches": "auto", "energy_budget": 0.5}, cache_dir, steps=1)
             except BudgetError as exc:
                 results["refused"] = str(exc)
+        with ProfileStore(cache_dir=cache_dir, read_only=True) as store:
+            results["methods"] = {e.measurement.method for k in store.keys()  # noqa: SIM118 (a method)
+                                  for e in store.evaluations(k)}
         results["setters"] = fake.setter_calls()
         gpu.close()
         results["after close"] = fake.setter_calls()[len(results["setters"]):]
@@ -115,6 +123,7 @@ def test_an_energy_budget_is_planned_from_measured_graphs_and_the_plan_runs(tmp_
     clocks = {choice.clock_mhz for _, choice in choices}
     assert clocks - {0} and clocks <= {0, *CLOCKS[1:]}
     for rank in first:
+        assert rank["methods"] == {"nvml-multiplexed"}  # every point, multiplexed
         run = rank["energy"]
         assert run["measured"] > 0 and run["gpu_s"] > 0
         assert any("whole graph measured at its first call" in n for n in run["notes"])

@@ -9,8 +9,9 @@ energy sum: ``measure.group_measurement``) and goes on. At the end it posts the 
 result, which the others adopt as it is. Everything travels through the default process
 group's key-value store, under keys private to one search and one set of ranks::
 
-    <prefix>/<ranks>/step/<j>            the j-th instruction: "measure <config>" | "done <result>"
-    <prefix>/<ranks>/step/<j>/rank/<r>   rank r's measurement for instruction j
+    <prefix>/<ranks>/step/<j>            the j-th instruction: "measure <config>" |
+                                         "batch <configs at one clock>" | "done <result>"
+    <prefix>/<ranks>/step/<j>/rank/<r>   rank r's measurement (a list, for a batch) for j
     <prefix>/<ranks>/abort               why the search was given up, written once
 
 Why it cannot hang: every wait polls the store with ``check`` (which never blocks) until
@@ -54,6 +55,11 @@ MeasureHere = Callable[[Any, Callable[[int], int] | None], Measurement]
 """Measures an instruction's configuration on this rank (a partition's ``search.Config``,
 or what the team's ``decode`` makes of it); the second argument is how the ranks agree on
 counts while measuring it together (``Workload.agree``; None alone)."""
+
+
+MeasureBatchHere = Callable[[list[Any], Callable[[int], int] | None], list[Measurement]]
+"""Measures a batch of configurations at one clock on this rank, together
+(``measure.measure_batch``), one measurement each in their order."""
 
 
 def _config(fields: dict[str, Any]) -> Hashable:
@@ -148,6 +154,23 @@ class Team:
         theirs = [_measurement(_text(self._store.get(key))) for key in others]
         return group_measurement([mine, *theirs], self.group_size)
 
+    def measure_batch(
+        self, step: int, configs: Sequence[Any], measure_here: MeasureBatchHere
+    ) -> list[Measurement]:
+        """Instruction ``step``: every rank measures ``configs`` (one clock) together; the
+        group's measurement of each, in their order."""
+        if self.alone:
+            return [group_measurement([m], self.group_size)
+                    for m in measure_here(list(configs), None)]
+        self._store.set(self._step(step), f"batch {json.dumps([asdict(c) for c in configs])}")
+        mine = measure_here(list(configs), self.agreement(step))
+        others = [self._step(step) + f"/rank/{r}" for r in self.ranks[1:]]
+        self._wait(others, f"the measurements of step {step} by ranks {list(self.ranks[1:])}")
+        theirs = [[_measurement(m) for m in json.loads(_text(self._store.get(key)))]
+                  for key in others]
+        return [group_measurement([m, *(t[i] for t in theirs)], self.group_size)
+                for i, m in enumerate(mine)]
+
     def finish(self, step: int, result: SearchResult, measured: dict[Any, Measurement]) -> None:
         """Post the result as instruction ``step``: the others adopt it."""
         if not self.alone:
@@ -159,8 +182,12 @@ class Team:
 
     # -- the others ------------------------------------------------------------------------
 
-    def follow(self, measure_here: MeasureHere) -> tuple[SearchResult, dict[Any, Measurement]]:
-        """Measure what the leader asks, until it posts the result; return that result."""
+    def follow(
+        self, measure_here: MeasureHere, measure_batch_here: MeasureBatchHere | None = None
+    ) -> tuple[SearchResult, dict[Any, Measurement]]:
+        """Measure what the leader asks, until it posts the result; return that result.
+        ``measure_batch_here`` measures the leader's batches (a leader that posts none
+        needs none)."""
         step = 0
         while True:
             try:
@@ -172,16 +199,23 @@ class Team:
             kind, _, payload = _text(self._store.get(self._step(step))).partition(" ")
             if kind == "done":
                 return _result(payload, self.decode)
-            if kind != "measure":
+            if kind not in ("measure", "batch") or (kind == "batch" and not measure_batch_here):
                 raise UnreadableInstructionError(
                     f"unreadable instruction {kind!r} under {self._keys}"
                 )
             try:
-                mine = measure_here(self.decode(json.loads(payload)), self.agreement(step))
+                if kind == "measure":
+                    posted = _measurement_json(
+                        measure_here(self.decode(json.loads(payload)), self.agreement(step)))
+                else:
+                    assert measure_batch_here is not None
+                    batch = [self.decode(c) for c in json.loads(payload)]
+                    posted = json.dumps([asdict(m) for m in
+                                         measure_batch_here(batch, self.agreement(step))])
             except BaseException as exc:
                 self.abort(f"rank {self.rank} failed to measure: {type(exc).__name__}: {exc}")
                 raise
-            self._store.set(self._step(step) + f"/rank/{self.rank}", _measurement_json(mine))
+            self._store.set(self._step(step) + f"/rank/{self.rank}", posted)
             step += 1
 
     def agreement(self, step: int) -> Callable[[int], int]:

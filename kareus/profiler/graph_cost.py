@@ -5,10 +5,18 @@ candidate of its composed frontier) at the search clocks (``planner.graph.GraphC
 model answers at once; a real GPU must run them. Here every variant the planner asks for
 runs:
 
-- at every other search clock, the first and the last always (:func:`measured_clocks`);
-  the clocks between are predicted from their measured neighbours with the structure the
-  partition search uses (time a + b/f through both, energy on their chord:
-  ``search.between``), which bounds the cost to about half the clocks;
+- at about four clocks (:func:`measured_clocks`): the top two, measured directly because
+  the power cap bends the curve there, one midway and the last; the clocks between are
+  predicted from their measured neighbours (time a + b/f through both, power on their
+  chord: :func:`predicted_cost`). The unrewritten graph is also measured at a held-back
+  clock (:func:`held_back_clock`), and where the prediction misses it by more than
+  ``HELD_BACK_TOLERANCE`` (the curve bends there) that clock joins the grid and the next
+  widest gap is checked (:func:`grid`);
+- one clock at a time: the variants the planner asks for are gathered first (the
+  planner's exploration asks again once they are measured, until it asks nothing new) and
+  each clock's are measured as one batch (``Device.measure_batch``: interleaved where the
+  GPU's counter allows), the unrewritten graph first, the control of every batch; so a
+  graph switches clocks a few times per round instead of once per measurement;
 - on a copy of the inputs of the graph's first call: real data, so that a data-dependent
   graph (MoE routing, index ops) costs what it will cost, and the call then runs on its
   own inputs untouched;
@@ -25,19 +33,21 @@ measurements (:class:`MeasuredGraph.cost`), so all of them choose alike.
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from kareus.devices.base import Device, Measurement, Workload
+from kareus.errors import KareusError
 from kareus.passes.analyse import GraphAnalysis
 from kareus.passes.decide import Choice
 from kareus.passes.variants import Variant
 from kareus.profiler.exchange import ProfilingAborted, Team
-from kareus.profiler.measure import GpuTime, ProfileBudgetSpent, measure_variant
+from kareus.profiler.measure import GpuTime, ProfileBudgetSpent, measure_batch
 from kareus.profiler.profile import Progress, Settings
-from kareus.profiler.search import Point, SearchResult, between
+from kareus.profiler.search import Point, SearchResult
 from kareus.profiler.store import Knobs, ProfileKey, ProfileStore
 
 GraphCost = Callable[[Variant | None, Sequence[int]], dict[int, Measurement] | None]
@@ -46,32 +56,84 @@ the graph costs at each clock as that variant (None: unrewritten), per GPU; None
 cannot be told (a device that must run the graph, before it has)."""
 
 
+HELD_BACK_TOLERANCE = 0.02
+"""The most a prediction may miss the held-back clock by (time or energy, relative) for
+the graph's sparse grid of clocks to stand: about the measurement error of a point."""
+
+
 def measured_clocks(clocks: Sequence[int]) -> tuple[int, ...]:
-    """The clocks a whole graph is measured at: every other one of ``clocks`` (descending),
-    and the last, so that every other clock lies between two measured ones."""
-    picked = list(clocks[::2])
-    if clocks and clocks[-1] not in picked:
-        picked.append(clocks[-1])
-    return tuple(picked)
+    """The clocks a whole graph is measured at (descending): the top two, where the power
+    cap bends the curve, the one midway and the last, so every other clock lies between
+    two measured ones."""
+    picked = [*clocks[:2], clocks[len(clocks) // 2], clocks[-1]] if clocks else []
+    return tuple(dict.fromkeys(picked))
+
+
+def held_back_clock(clocks: Sequence[int], grid: Sequence[int] | None = None) -> int | None:
+    """The clock ``grid``'s prediction (default: :func:`measured_clocks`) is checked at:
+    midway in the lower of its widest gaps; None where no gap has a clock inside."""
+    grid = measured_clocks(clocks) if grid is None else grid
+    index = {f: i for i, f in enumerate(clocks)}
+    gaps = [(index[lo] - index[hi], index[hi], index[lo])
+            for hi, lo in itertools.pairwise(grid)]
+    width, hi, lo = max(gaps, key=lambda g: (g[0], g[1]), default=(0, 0, 0))
+    return clocks[(hi + lo) // 2] if width > 1 else None
+
+
+def grid(
+    clocks: Sequence[int], unrewritten: Callable[[int], Measurement | None]
+) -> tuple[int, ...]:
+    """The clocks a graph's variants are measured at: :func:`measured_clocks`, and each
+    held-back clock whose prediction missed the unrewritten graph's measurement there by
+    more than ``HELD_BACK_TOLERANCE`` (the curve bends there: a power cap, a voltage
+    floor), checked again at the next widest gap, until a check holds or one is not
+    measured yet (the next clock to measure is then :func:`next_check`)."""
+    current = measured_clocks(clocks)
+    while (check := held_back_clock(clocks, current)) is not None:
+        measured = {f: m for f in (*current, check) if (m := unrewritten(f)) is not None}
+        if len(measured) < len(current) + 1:
+            break
+        predicted = predicted_cost({f: measured[f] for f in current}, check)
+        assert predicted is not None  # the check lies between two measured clocks
+        if held_back_error(predicted, measured[check]) <= HELD_BACK_TOLERANCE:
+            break
+        current = tuple(sorted({*current, check}, reverse=True))
+    return current
+
+
+def next_check(clocks: Sequence[int], unrewritten: Callable[[int], Measurement | None]
+               ) -> int | None:
+    """The held-back clock the unrewritten graph is measured at next (None: no gap left)."""
+    return held_back_clock(clocks, grid(clocks, unrewritten))
+
+
+def held_back_error(predicted: Measurement, measured: Measurement) -> float:
+    """The larger relative miss of a prediction, in time or in energy."""
+    return max(abs(predicted.time_s / measured.time_s - 1),
+               abs(predicted.energy_j / measured.energy_j - 1))
 
 
 def predicted_cost(
     measured: dict[int, Measurement], clock: int
 ) -> Measurement | None:
-    """The graph's cost at ``clock`` from its measured neighbours (itself where measured);
-    None outside the measured range."""
+    """The graph's cost at ``clock`` from its measured neighbours (itself where measured):
+    time a + b/f through both, average power on their chord (power is closer to linear in
+    the clock than energy, which the a + b/f time bends); None outside the measured range."""
     if clock in measured:
         return measured[clock]
-    guess = between(measured, clock)
-    if guess is None:
+    high = min((c for c in measured if c > clock), default=None)
+    low = max((c for c in measured if c < clock), default=None)
+    if high is None or low is None:
         return None
-    high = min(c for c in measured if c > clock)
-    low = max(c for c in measured if c < clock)
-    anchor = measured[high]
+    a, b = measured[high], measured[low]
+    w = (1 / clock - 1 / high) / (1 / low - 1 / high)
+    v = (high - clock) / (high - low)
+    time_s = a.time_s + w * (b.time_s - a.time_s)
+    power_w = a.average_power_w + v * (b.average_power_w - a.average_power_w)
     return Measurement(
-        time_s=guess[0], energy_j=guess[1], static_power_w=anchor.static_power_w,
+        time_s=time_s, energy_j=power_w * time_s, static_power_w=a.static_power_w,
         clock_mhz=clock, method=f"predicted between {high} and {low} MHz",
-        model_version=anchor.model_version,
+        model_version=a.model_version,
     )
 
 
@@ -93,31 +155,36 @@ class MeasuredGraph:
     reused: int
     gpu_s: float
 
+    @property
+    def grid(self) -> tuple[int, ...]:
+        """The clocks its variants were measured at (:func:`grid`)."""
+        return _grid_of(self.search_clocks, self.measurements)
+
     def cost(self, variant: Variant | None, clocks: Sequence[int]) -> dict[int, Measurement] | None:
         """``planner.graph.GraphCost`` from the measurements: None where the variant (or a
         neighbour of an asked clock) was not measured."""
-        answer = _answer(self.search_clocks, variant, clocks, self._lookup)
+        answer = _answer(self.grid, variant, clocks, self.measurements.get)
         return None if answer is None else {
             f: replace(m, energy_j=m.energy_j / self.group_size,
                        static_power_w=m.static_power_w / self.group_size)
             for f, m in answer.items()
         }
 
-    def _lookup(self, choice: Choice) -> Measurement | None:
-        return self.measurements.get(choice)
+
+def _grid_of(search_clocks: Sequence[int], measurements: dict[Choice, Measurement]
+             ) -> tuple[int, ...]:
+    return grid(search_clocks, lambda f: measurements.get(Choice(1, f, ())))
 
 
 def _answer(
-    search_clocks: Sequence[int], variant: Variant | None, clocks: Sequence[int],
+    clocks_measured: Sequence[int], variant: Variant | None, clocks: Sequence[int],
     lookup: Callable[[Choice], Measurement | None],
 ) -> dict[int, Measurement] | None:
-    """The variant at each of ``clocks``: those of :func:`measured_clocks` looked up, the
-    others predicted from the measured clocks either side of them."""
-    grid = measured_clocks(search_clocks)
+    """The variant at each of ``clocks``: those of ``clocks_measured`` looked up, the others
+    predicted from the measured clocks either side of them."""
     base = Choice.of(variant)
-    needed = sorted({f for clock in clocks for f in _neighbours(grid, clock)}, reverse=True)
     curve: dict[int, Measurement] = {}
-    for f in needed:
+    for f in _needed(clocks_measured, clocks):
         m = lookup(base.at(f))
         if m is None:
             return None
@@ -131,6 +198,12 @@ def _answer(
     return answer
 
 
+def _needed(clocks_measured: Sequence[int], clocks: Sequence[int]) -> list[int]:
+    """The measured clocks the costs at ``clocks`` come from, descending."""
+    return sorted({f for clock in clocks for f in _neighbours(clocks_measured, clock)},
+                  reverse=True)
+
+
 def _neighbours(grid: Sequence[int], clock: int) -> tuple[int, ...]:
     """The measured clocks ``clock``'s cost comes from: itself, or the two either side."""
     if clock in grid:
@@ -138,6 +211,17 @@ def _neighbours(grid: Sequence[int], clock: int) -> tuple[int, ...]:
     above = [f for f in grid if f > clock]
     below = [f for f in grid if f < clock]
     return tuple(([min(above)] if above else []) + ([max(below)] if below else []))
+
+
+class UnsettledExplorationError(KareusError, RuntimeError):
+    """The planner's exploration of a graph kept asking for new variants (a bug): the
+    graph is not planned rather than measured without end."""
+
+
+MAX_ROUNDS = 16
+"""The most rounds of asking and measuring a graph takes: the planner's exploration asks
+for the unrewritten graph, then each count's default, then the candidates composed from
+them, a few rounds; more means it keeps asking for new variants, which is a bug."""
 
 
 class GraphMeasurer:
@@ -172,50 +256,95 @@ class GraphMeasurer:
         self.measurements: dict[Choice, Measurement] = {}
         self.fresh = self.reused = 0
         self.gpu_s = 0.0
+        self._steps = 0
+        self._clock: int | None = None  # the clock the last batch ran at
+        self._missing: dict[Choice, None] = {}  # asked for and not measured, in order
 
     def run(self, explore: Callable[[GraphCost], object]) -> MeasuredGraph:
         """Every variant ``explore`` asks for, measured (or read back) on every rank of the
-        team; raises what stopped it (``ProfilingAborted`` on every rank where one failed,
-        ``ProfileBudgetSpent`` on the leader once the budget is spent)."""
+        team, a clock at a time; raises what stopped it (``ProfilingAborted`` on every rank
+        where one failed, ``ProfileBudgetSpent`` on the leader once the budget is spent)."""
         if self.team.leads:
             try:
-                explore(self._measuring_cost)
+                self.device.probe_counter(self.store)
+                for _ in range(MAX_ROUNDS):
+                    self._missing.clear()
+                    explore(self._asking_cost)
+                    if not self._missing:
+                        break
+                    self._measure(list(self._missing))
+                else:
+                    raise UnsettledExplorationError(
+                        f"{self.label}: the planner still asks for new variants after "
+                        f"{MAX_ROUNDS} rounds")
             except BaseException as exc:
                 self.team.abort(f"rank {self.team.rank} failed: {type(exc).__name__}: {exc}")
                 raise
             points = [Point.of(c, m) for c, m in self.measurements.items()]
-            self.team.finish(self.fresh, SearchResult(points, "measured"), self.measurements)
+            self.team.finish(self._steps, SearchResult(points, "measured"), self.measurements)
         else:
-            _, self.measurements = self.team.follow(self._measure_here)
+            try:
+                self.device.probe_counter(self.store)
+            except BaseException as exc:
+                self.team.abort(f"rank {self.team.rank} failed: {type(exc).__name__}: {exc}")
+                raise
+            _, self.measurements = self.team.follow(self._measure_here, self._measure_batch_here)
         return MeasuredGraph(dict(self.measurements), self.search_clocks, self.team.group_size,
                              self.fresh, self.reused, self.gpu_s)
 
-    def _measuring_cost(
+    def _asking_cost(
         self, variant: Variant | None, clocks: Sequence[int]
     ) -> dict[int, Measurement] | None:
-        return _answer(self.search_clocks, variant, clocks, self._measured)
+        """``GraphCost`` from what is measured or stored; what is neither is noted to be
+        measured (the unrewritten graph's held-back clock with it) and the answer is None."""
+        clocks_measured = _grid_of(self.search_clocks, self.measurements)
+        wanted = [Choice.of(variant).at(f) for f in _needed(clocks_measured, clocks)]
+        check = next_check(self.search_clocks,
+                           lambda f: self.measurements.get(Choice(1, f, ())))
+        if variant is None and check is not None:
+            wanted.append(Choice(1, check, ()))
+        for choice in wanted:
+            if choice not in self.measurements and not self._stored(choice):
+                self._missing[choice] = None
+        return _answer(clocks_measured, variant, clocks, self.measurements.get)
 
-    def _measured(self, choice: Choice) -> Measurement:
-        """``choice`` measured for the team, or read back from the store."""
-        if choice in self.measurements:
-            return self.measurements[choice]
-        key, knobs = self._key(choice), Knobs(0, {}, choice.clock_mhz, choice.nanobatches)
-        refresh = self.settings.mode == "refresh"
-        hit = None if refresh else self.store.lookup(key, knobs)
-        if hit is not None:
-            m = hit.measurement
-            self.reused += 1
-        else:
+    def _stored(self, choice: Choice) -> bool:
+        """Whether ``choice`` was read back from the store (and is now known)."""
+        if self.settings.mode == "refresh":
+            return False
+        hit = self.store.lookup(self._key(choice), _knobs(choice))
+        if hit is None:
+            return False
+        self.measurements[choice] = hit.measurement
+        self.reused += 1
+        return True
+
+    def _measure(self, choices: list[Choice]) -> None:
+        """``choices`` measured for the team a clock at a time, from the clock the last
+        batch ran at downwards and then upwards; each batch leads with the unrewritten
+        graph (measured again where it is known: the batch's control)."""
+        by_clock: dict[int, list[Choice]] = {}
+        for c in choices:
+            by_clock.setdefault(c.clock_mhz, []).append(c)
+        top = self._clock if self._clock is not None else max(by_clock)
+        order = sorted((f for f in by_clock if f <= top), reverse=True) + sorted(
+            f for f in by_clock if f > top)
+        for clock in order:
+            control = Choice(1, clock, ())
+            batch = [control, *(c for c in by_clock[clock] if c != control)]
             self.spend.check()
-            m = self.team.measure(self.fresh, choice, self._measure_here)
-            self.fresh += 1
-            self.store.record(key, knobs, m, replace=refresh)
-        self.measurements[choice] = m
+            found = self.team.measure_batch(self._steps, batch, self._measure_batch_here)
+            self._steps += 1
+            for choice, m in zip(batch, found, strict=True):
+                if choice in self._missing:
+                    self.fresh += 1
+                    self.measurements[choice] = m
+                    self.store.record(self._key(choice), _knobs(choice), m,
+                                      replace=self.settings.mode == "refresh")
         if self.progress is not None:
             done = len(self.measurements)
             self.progress(self.label, done, done, [Point.of(c, x)
                                                   for c, x in self.measurements.items()])
-        return m
 
     def _key(self, choice: Choice) -> ProfileKey:
         """Where ``choice``'s variant is stored: the graph's hash, the count, the choices."""
@@ -227,14 +356,26 @@ class GraphMeasurer:
         )
 
     def _measure_here(self, choice: Choice, agree: Callable[[int], int] | None) -> Measurement:
-        return measure_variant(
-            self.device, replace(self.workload(choice), agree=agree), choice.clock_mhz,
-            protocol=self.settings.protocol, stop=self.stop, spent=self._spent,
+        return self._measure_batch_here([choice], agree)[0]
+
+    def _measure_batch_here(
+        self, choices: list[Choice], agree: Callable[[int], int] | None
+    ) -> list[Measurement]:
+        (clock,) = {c.clock_mhz for c in choices}
+        switched, self._clock = clock != self._clock, clock
+        return measure_batch(
+            self.device, [self.workload(c) for c in choices], clock, agree=agree,
+            protocol=self.settings.protocol, switched=switched, stop=self.stop,
+            spent=self._spent,
         )
 
     def _spent(self, seconds: float) -> None:
         self.gpu_s += seconds
         self.spend.charge(self.analysis.label, seconds)
+
+
+def _knobs(choice: Choice) -> Knobs:
+    return Knobs(0, {}, choice.clock_mhz, choice.nanobatches)
 
 
 FAILURES = (ProfilingAborted, ProfileBudgetSpent, ValueError, RuntimeError, TypeError, OSError)

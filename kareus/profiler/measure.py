@@ -1,13 +1,24 @@
-"""The measurement protocol: how one variant's time and energy are taken, and summed over a group.
+"""The measurement protocol: how variants' time and energy are taken, and summed over a group.
 
-A real GPU's reading of one window is noisy (the energy counter updates every ~20-100 ms,
-clocks and temperature drift), so a variant is measured ``repeats`` times and the medians
-are kept; where the repeats disagree by more than ``max_spread`` more are taken, up to
-``max_repeats``, and a variant that stays unsteady is kept with its spread in the details
-and a warning. The device itself does the rest of the protocol, per window: the settle
-time after a clock change and the warm-up run that sizes a window long enough for the
-energy counter (``NvmlGPU(settle_s=..., min_window_s=...)``). A deterministic device (the
-simulated GPU) is measured once: its answer is analytic and instant.
+Two protocols, chosen by the device (``Device.estimates_error``):
+
+- multiplexed, where the GPU's energy counter integrates power continuously (probed when
+  the GPU is first measured on: ``devices.nvml.counter``): the variants of one clock run
+  interleaved in blocks, each variant's power is recovered by least squares
+  over the counter's readings, with its error, and a point whose error exceeds 1.5% gets
+  more blocks (``devices.nvml.multiplex``). A point costs about one
+  block: the device answers once, and its estimate is kept.
+- windows, elsewhere (a counter that samples part of the time, or none): a variant is
+  measured ``repeats`` times in windows of at least the device's ``min_window_s`` and the
+  medians are kept; where the repeats disagree by more than ``max_spread`` more are taken,
+  up to ``max_repeats``, and a variant that stays unsteady is kept with its spread in the
+  details and a warning.
+
+The device does the rest, per clock: the settle after a clock change, and the warm-up run
+that sizes a block or a window (``NvmlGPU(settle_s=..., min_window_s=...)``). A
+deterministic device (the simulated GPU) is measured once: its answer is analytic and
+instant, and it is charged what the multiplexed protocol would take on a real GPU whose
+counter integrates.
 
 A partition variant runs on every rank of its collective's group at once, so what it
 costs is the group's: time is the slowest rank's, energy the sum over the ranks
@@ -31,10 +42,15 @@ from dataclasses import dataclass, field, replace
 from kareus.devices.base import Device, Measurement, Resources, Workload
 from kareus.devices.nvml.energy import DEFAULT_MIN_WINDOW_S
 from kareus.devices.nvml.gpu import DEFAULT_SETTLE_S
+from kareus.devices.nvml.multiplex import DEFAULT_POLICY, MultiplexPolicy, first_blocks
 from kareus.errors import KareusError
 from kareus.profiler.interrupt import check
 
 log = logging.getLogger("kareus")
+
+COUNTER_PERIOD_S = 0.1
+"""The energy counter's update period a simulated device's measurements are charged for:
+about 100 ms on A100 (REFERENCE.md s4); a real GPU's is probed (``nvml.counter``)."""
 
 
 class MeasurementProtocolError(KareusError, ValueError):
@@ -103,12 +119,16 @@ class GpuTime:
 
 @dataclass(frozen=True)
 class Protocol:
-    """How many times a variant is measured and how steady the repeats must be.
+    """How long a variant runs to be measured, and how steady its measurement must be.
 
-    Defaults: 3 repeats, at most 6, a spread (max - min over the median, of time and of
-    energy) of at most 5%, no pause between repeats. With the NVML device's defaults (0.1 s
-    settle after a clock change, windows of at least 0.5 s) one evaluation takes about
-    2 s of GPU time (:meth:`seconds_per_evaluation`).
+    Multiplexed (the default where the counter integrates; ``multiplex.MultiplexPolicy``
+    holds its settings): a 0.1 s settle, then blocks of 0.15 s, enough of them that the
+    counter's readings state each variant's error, more where it exceeds 1.5%: about 1 s
+    for one variant, 0.2 s each for ten (:meth:`seconds_per_batch`). Windows (elsewhere):
+    3 repeats, at most 6, a spread
+    (max - min over the median, of time and of energy) of at most 5%, no pause between
+    repeats; with the NVML device's defaults (0.1 s settle after a clock change, windows of
+    at least 0.5 s) about 2 s per variant (:meth:`seconds_per_evaluation`).
     """
 
     repeats: int = 3
@@ -145,6 +165,20 @@ class Protocol:
         window_s = max(run_s, 1.1 * min_window_s)
         return settle_s + self.repeats * (run_s + window_s) + (self.repeats - 1) * self.cooldown_s
 
+    @staticmethod
+    def seconds_per_batch(
+        run_s: Sequence[float], *, switched: bool = True, settle_s: float = DEFAULT_SETTLE_S,
+        period_s: float = COUNTER_PERIOD_S, policy: MultiplexPolicy = DEFAULT_POLICY,
+    ) -> float:
+        """GPU time the multiplexed protocol takes for variants taking ``run_s`` per run at
+        one clock, on a counter updating every ``period_s``: the settle where the clock
+        ``switched``, then per variant a warm-up run and the first round's blocks
+        (``multiplex.first_blocks``: enough of the counter's updates to state an error,
+        however few the variants). Rounds added for points above the policy's
+        ``max_error`` are not counted: how many a GPU needs is what it measures."""
+        blocks = first_blocks(len(run_s), period_s, policy) if run_s else 0
+        return settle_s * switched + sum(r + blocks * max(r, policy.block_s) for r in run_s)
+
 
 def measure_variant(
     device: Device,
@@ -167,13 +201,48 @@ def measure_variant(
 
     if device.deterministic:
         m = once()
-        spent(protocol.seconds_per_evaluation(m.time_s))
+        spent(protocol.seconds_per_batch([m.time_s]))
         return m
     started = time.perf_counter()
     try:
+        if device.estimates_error and not resources:
+            check(stop)
+            return device.measure_batch([workload], clock_mhz, workload.agree)[0]
         return _repeated(device, workload, clock_mhz, once, protocol, sleep)
     finally:
         spent(time.perf_counter() - started)
+
+
+def measure_batch(
+    device: Device,
+    workloads: Sequence[Workload],
+    clock_mhz: int,
+    *,
+    agree: Callable[[int], int] | None = None,
+    protocol: Protocol = Protocol(),
+    switched: bool = True,
+    sleep: Callable[[float], None] = time.sleep,
+    stop: threading.Event | None = None,
+    spent: Callable[[float], None] = lambda seconds: None,
+) -> list[Measurement]:
+    """Every one of ``workloads`` at one clock, in their order, under ``protocol``: together
+    (``Device.measure_batch``) where the device estimates its own errors, else each as
+    :func:`measure_variant` would. ``agree`` is the batch's (ranks measuring together);
+    ``switched``: the clock changes for this batch (what a simulated device is charged)."""
+    check(stop)
+    if device.deterministic:
+        found = device.measure_batch(workloads, clock_mhz, agree)
+        spent(protocol.seconds_per_batch([m.time_s for m in found], switched=switched))
+        return found
+    if device.estimates_error:
+        started = time.perf_counter()
+        try:
+            return device.measure_batch(workloads, clock_mhz, agree)
+        finally:
+            spent(time.perf_counter() - started)
+    return [measure_variant(device, w if agree is None else replace(w, agree=agree), clock_mhz,
+                            protocol=protocol, sleep=sleep, stop=stop, spent=spent)
+            for w in workloads]
 
 
 def _repeated(

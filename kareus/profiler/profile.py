@@ -215,13 +215,14 @@ class _Search:
         device, a workload that cannot be built, the store, a rank that timed out): the
         graph then compiles without it."""
         try:
-            if self.team.leads:
-                try:
+            try:
+                self.device.probe_counter(self.store)
+                if self.team.leads:
                     result = self._lead(progress)
-                except BaseException as exc:
-                    self.team.abort(f"rank {self.team.rank} failed: {type(exc).__name__}: {exc}")
-                    raise
-            else:
+            except BaseException as exc:
+                self.team.abort(f"rank {self.team.rank} failed: {type(exc).__name__}: {exc}")
+                raise
+            if not self.team.leads:
                 result, self.measured = self.team.follow(self._measure_here)
         except (ProfilingAborted, ValueError, RuntimeError, TypeError, OSError) as exc:
             reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"

@@ -14,12 +14,16 @@ Layout. One SQLite file, ``profiles.sqlite`` in the cache directory (``cache_dir
                 UNIQUE(key, knobs))                     -- id: insertion order
     searches(key, settings, knobs, stopped, hypervolumes, updated_at,
              PRIMARY KEY (key, settings))           -- a finished search, in order
+    counters(gpu, driver, behaviour, probed_at,
+             PRIMARY KEY (gpu, driver))             -- how a GPU model's energy counter
+                                                    -- behaves under a driver, probed
 
 A row's ``key`` is :meth:`ProfileKey.digest` (sha256 of the key's fields as canonical
 JSON) and ``knobs`` is :meth:`Knobs.json`, so a lookup is one probe of the unique index
 with exact, canonical values: no float or ordering ambiguity can make a hit a miss.
 ``PRAGMA application_id`` marks the file as kareus's and ``PRAGMA user_version`` holds
-:data:`SCHEMA_VERSION`.
+:data:`SCHEMA_VERSION`. A store of schema 2 (before ``counters``) gains the table in place
+when opened to write, and is read as it is.
 
 Several writers. Every process (every rank) opens its own :class:`ProfileStore`; a
 connection is never shared across processes (a store used in a forked child refuses to
@@ -90,7 +94,17 @@ from kareus.version import build
 
 logger = logging.getLogger("kareus")
 
-SCHEMA_VERSION = 2  # 2: searches replace frontiers
+SCHEMA_VERSION = 3  # 2: searches replace frontiers; 3: counters
+UPGRADES = {2: """
+CREATE TABLE counters (
+    gpu TEXT NOT NULL,
+    driver TEXT NOT NULL,
+    behaviour TEXT NOT NULL,
+    probed_at REAL NOT NULL,
+    PRIMARY KEY (gpu, driver)
+);
+"""}
+"""What turns a store of each older schema into the next one, in place: nothing in it is lost."""
 APPLICATION_ID = 0x4B415245  # "KARE": tells a kareus store from any other SQLite file.
 FILENAME = "profiles.sqlite"
 LOCK_WAIT_S = 5.0
@@ -130,7 +144,7 @@ CREATE TABLE searches (
     updated_at REAL NOT NULL,
     PRIMARY KEY (key, settings)
 );
-"""
+""" + UPGRADES[2]
 
 
 class ProfileStoreError(KareusError, OSError):
@@ -382,6 +396,26 @@ class ProfileStore(Closing):
             tuple(json.loads(volumes)),
         )
 
+    def record_counter(self, gpu: str, driver: str, behaviour: str) -> None:
+        """Keep how ``gpu``'s energy counter behaves under ``driver`` (the probe's JSON),
+        replacing what was kept: a probe is asked only where nothing was."""
+        self._write(lambda conn: conn.execute(
+            "INSERT OR REPLACE INTO counters VALUES (?, ?, ?, ?)",
+            (gpu, driver, behaviour, time.time())), None)
+
+    def counter(self, gpu: str, driver: str) -> str | None:
+        """What :meth:`record_counter` kept for ``gpu`` and ``driver``, or None."""
+        if self._version < 3:
+            return None
+        rows = self._query("SELECT behaviour FROM counters WHERE gpu = ? AND driver = ?",
+                           (gpu, driver))
+        return rows[0][0] if rows else None
+
+    @property
+    def _version(self) -> int:
+        rows = self._query("PRAGMA user_version", ())
+        return rows[0][0] if rows else SCHEMA_VERSION
+
     def keys(self) -> list[ProfileKey]:
         """Every key with something recorded, in the order first seen."""
         rows = self._query("SELECT key_json FROM keys ORDER BY rowid", ())
@@ -523,6 +557,7 @@ def _file_lock(path: Path) -> Iterator[None]:
 def _open_checked(path: Path) -> sqlite3.Connection:
     """A connection to a valid store at ``path``: the file as found, or a fresh one after
     setting aside a damaged or foreign file. Call under :func:`_file_lock`."""
+    _upgrade(path)
     problem = _problem_at(path)
     if problem is not None:
         reason, suffix = problem
@@ -568,7 +603,8 @@ def _open_read_only(path: Path) -> sqlite3.Connection:
     except sqlite3.Error as exc:
         raise ProfileStoreError(f"cannot read the profile store {path}: {exc}") from exc
     try:
-        problem = _problem(conn, path, empty="is an empty SQLite database, not a store yet")
+        problem = _problem(conn, path, empty="is an empty SQLite database, not a store yet",
+                           read_only=True)
     except BaseException:
         conn.close()
         raise
@@ -684,8 +720,41 @@ def _problem_at(path: Path) -> tuple[str, str] | None:
         conn.close()
 
 
+def _upgrade(path: Path) -> None:
+    """Bring a kareus store of an older schema in :data:`UPGRADES` to the current one in
+    place (under :func:`_file_lock`); anything else is left for :func:`_problem` to judge."""
+    if not path.exists():
+        return
+    try:
+        conn = _connect(path)
+    except sqlite3.Error:
+        return
+    try:
+        if conn.execute("PRAGMA application_id").fetchone()[0] != APPLICATION_ID:
+            return
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        if version not in UPGRADES:
+            return
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            for statement in filter(str.strip, UPGRADES[version].split(";")):
+                conn.execute(statement)
+            conn.execute(f"PRAGMA user_version = {version + 1}")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+        logger.info("profile store %s: upgraded from schema %d to %d", path, version,
+                    version + 1)
+    except sqlite3.Error:
+        return  # a damaged file: _problem says what is wrong with it
+    finally:
+        conn.close()
+
+
 def _problem(
-    conn: sqlite3.Connection, path: Path, *, empty: str | None = None
+    conn: sqlite3.Connection, path: Path, *, empty: str | None = None,
+    read_only: bool = False,
 ) -> tuple[str, str] | None:
     """Why the database on ``conn`` cannot be used as a store, and the suffix to set it
     aside under; None for a valid store, and for an empty database unless ``empty`` says
@@ -713,14 +782,14 @@ def _problem(
         return None if empty is None else (empty, "empty")
     if app_id != APPLICATION_ID:
         return "is a SQLite database but not a kareus profile store", f"schema-{version}"
-    if version != SCHEMA_VERSION:
+    if version != SCHEMA_VERSION and not (read_only and version in UPGRADES):
         return (
             f"has schema version {version}, this kareus uses {SCHEMA_VERSION}",
             f"schema-{version}",
         )
     # Marked as a current store, yet a table dropped or altered by hand would fail every
     # write (or every read) that touches it: the store would be half used.
-    expected = _schema_tables()
+    expected = _schema_tables(version)
     missing = [name for name in expected if name not in tables]
     changed = [name for name in expected if name in tables and tables[name] != expected[name]]
     if missing or changed:
@@ -742,11 +811,14 @@ def _tables(conn: sqlite3.Connection) -> dict[str, tuple[str, ...]]:
     }
 
 
-def _schema_tables() -> dict[str, tuple[str, ...]]:
-    """The tables :data:`_SCHEMA` makes, and their columns: what a store's must be."""
+def _schema_tables(version: int = SCHEMA_VERSION) -> dict[str, tuple[str, ...]]:
+    """The tables :data:`_SCHEMA` makes (less those added after ``version``), and their
+    columns: what a store's must be."""
     conn = sqlite3.connect(":memory:")
     try:
         conn.executescript(_SCHEMA)
+        if version == 2:
+            conn.execute("DROP TABLE counters")
         return _tables(conn)
     finally:
         conn.close()

@@ -1,6 +1,7 @@
-"""Whole graphs measured per clock (a device that must run a graph to cost it): half the
-clocks measured, the rest predicted and checked against a held-back measurement, every
-measurement kept in the store, the profiling budget."""
+"""Whole graphs measured per clock (a device that must run a graph to cost it): about four
+clocks measured, the rest predicted and checked against a held-back clock (every other
+clock measured where the check fails), one batch per clock, every measurement kept in the
+store, the profiling budget."""
 
 import pytest
 import torch
@@ -8,19 +9,44 @@ from conftest import analysed, tp_llama
 
 from kareus.codegen.apply import apply
 from kareus.devices import SimulatedGPU
-from kareus.devices.base import Workload
+from kareus.devices.base import Measurement, Workload
 from kareus.passes.decide import Choice
 from kareus.planner.graph import graph_frontier
-from kareus.profiler.graph_cost import GraphMeasurer, measured_clocks
+from kareus.profiler.graph_cost import (
+    GraphMeasurer,
+    grid,
+    held_back_clock,
+    measured_clocks,
+    next_check,
+)
 from kareus.profiler.measure import GpuTime, ProfileBudgetSpent
 from kareus.profiler.profile import Settings
 from kareus.profiler.store import ProfileStore
 
 
-def test_every_other_clock_is_measured_and_the_last():
-    assert measured_clocks((5, 4, 3, 2, 1)) == (5, 3, 1)
-    assert measured_clocks((6, 5, 4, 3, 2, 1)) == (6, 4, 2, 1)
-    assert measured_clocks((7,)) == (7,)
+def test_four_clocks_are_measured_the_top_two_among_them():
+    clocks = tuple(range(1980, 1214, -45))  # H200's 18 search clocks
+    assert measured_clocks(clocks) == (1980, 1935, 1575, 1215)
+    assert held_back_clock(clocks) == 1395  # midway in the lower of the two widest gaps
+    assert measured_clocks((5, 4, 3, 2, 1)) == (5, 4, 3, 1)
+    assert held_back_clock((5, 4, 3, 2, 1)) == 2
+    assert measured_clocks((7,)) == (7,) and held_back_clock((7,)) is None
+
+
+def test_a_missed_held_back_clock_joins_the_grid_and_the_next_gap_is_checked():
+    clocks = tuple(range(9, 0, -1))  # grid (9, 8, 5, 1), first checked at 3
+
+    def curve(bend_at: set[int]):
+        def at(f: int) -> Measurement:  # time a + b/f; power linear, but bent at bend_at
+            power = 100 + 10 * f + (30 if f in bend_at else 0)
+            return Measurement(1 + 1 / f, power * (1 + 1 / f), 0.0, f, "test")
+        return at
+
+    assert grid(clocks, curve(set())) == (9, 8, 5, 1)  # the check at 3 held
+    assert next_check(clocks, curve(set())) == 3
+    assert grid(clocks, curve({3})) == (9, 8, 5, 3, 1)  # missed at 3; then 7 held
+    assert next_check(clocks, curve({3})) == 7
+    assert grid(clocks, lambda f: None) == (9, 8, 5, 1)  # nothing measured yet
 
 
 @pytest.fixture
@@ -48,11 +74,13 @@ def test_a_held_back_clock_is_predicted_within_a_few_percent(graph, tmp_path):
     with ProfileStore(cache_dir=tmp_path) as store:
         measured = measure(store)
     clocks = gpu.search_clocks()
-    grid = measured_clocks(clocks)
-    assert {c.clock_mhz for c in measured.measurements} == set(grid)  # half the clocks
+    sparse = measured.grid
+    assert sparse == measured_clocks(clocks)  # the held-back check held
+    assert {c.clock_mhz for c in measured.measurements} == {*sparse, held_back_clock(clocks)}
+    assert len(sparse) == 4
     errors = []
     for variant in (None, analysis.space.default(2)):
-        held_back = [f for f in clocks if f not in grid]
+        held_back = [f for f in clocks if f not in sparse]
         predicted = measured.cost(variant, held_back)
         truth = gpu.estimate_at(apply(g.gm, analysis, Choice.of(variant), clocked=False),
                                 held_back, 2)
@@ -62,8 +90,8 @@ def test_a_held_back_clock_is_predicted_within_a_few_percent(graph, tmp_path):
             errors.append((abs(p.time_s / m.time_s - 1), abs(p.energy_j / m.energy_j - 1)))
             assert p.time_s == pytest.approx(m.time_s, rel=0.02)
             assert p.energy_j == pytest.approx(m.energy_j, rel=0.02)
-        at_grid = measured.cost(variant, grid)
-        assert not any(at_grid[f].method.startswith("predicted") for f in grid)
+        at_grid = measured.cost(variant, sparse)
+        assert not any(at_grid[f].method.startswith("predicted") for f in sparse)
     assert any(t > 0 and e > 0 for t, e in errors)  # a prediction, not the measurement again
 
 
@@ -84,8 +112,8 @@ def test_the_next_run_reads_every_measurement_back(graph, tmp_path):
 
 def test_measuring_stops_once_the_profiling_budget_is_spent(graph, tmp_path):
     _, _, _, measure, _ = graph
-    spend = GpuTime(budget_s=5.0, estimated=True)
+    spend = GpuTime(budget_s=0.3, estimated=True)
     with ProfileStore(cache_dir=tmp_path) as store, pytest.raises(ProfileBudgetSpent,
-                                                                  match="5 GPU-s is spent"):
+                                                                  match="0.3 GPU-s is spent"):
         measure(store, spend)
-    assert 5.0 <= spend.total_s < 5.0 + 3.0  # stopped at the first measurement past it
+    assert 0.3 <= spend.total_s < 0.3 + 2.0  # stopped at the first batch past it

@@ -5,7 +5,8 @@ import pytest
 
 from kareus.devices import SimulatedGPU
 from kareus.devices.base import Device, Measurement, RecordingClockController, Workload
-from kareus.profiler.measure import Protocol, group_measurement, measure_variant
+from kareus.devices.nvml.multiplex import DEFAULT_POLICY, first_blocks
+from kareus.profiler.measure import Protocol, group_measurement, measure_batch, measure_variant
 
 
 class Scripted(Device):
@@ -76,7 +77,7 @@ def test_a_model_is_measured_once_and_charged_what_a_real_gpu_would_take(monkeyp
     m = Measurement(0.2, 50.0, 85.0, 1410, "model")
     monkeypatch.setattr(gpu, "measure", lambda *a, **k: calls.append(a) or m)
     assert measure_variant(gpu, W, 1410, spent=spent.append) is m and len(calls) == 1
-    assert spent == [Protocol().seconds_per_evaluation(0.2)]
+    assert spent == [Protocol().seconds_per_batch([0.2])]  # settle, warm-up, blocks
 
 
 def test_a_real_gpu_is_charged_the_wall_time_of_its_repeats(monkeypatch):
@@ -116,6 +117,26 @@ def test_the_protocols_gpu_time_per_evaluation():
     # 0.1 s settle + 3 x (a 10 ms warm-up run + a 0.55 s window)
     assert Protocol().seconds_per_evaluation(0.01) == pytest.approx(0.1 + 3 * 0.56)
     assert Protocol(cooldown_s=5).seconds_per_evaluation(0.01) == pytest.approx(10.1 + 3 * 0.56)
+    # multiplexed: the settle where the clock changed, then a warm-up run and as many
+    # 0.15 s blocks (a run, where longer) as the counter's updates need to state errors
+    two, one = first_blocks(2, 0.1, DEFAULT_POLICY), first_blocks(1, 0.1, DEFAULT_POLICY)
+    assert two < one  # a batch shares the readings its error needs
+    assert Protocol().seconds_per_batch([0.01, 0.3]) == pytest.approx(
+        0.1 + 0.01 + two * 0.15 + 0.3 + two * 0.3)
+    assert Protocol().seconds_per_batch([0.01], switched=False) == pytest.approx(0.01 + one * 0.15)
+
+
+def test_a_batch_is_measured_together_where_the_device_states_its_errors(monkeypatch):
+    gpu = Scripted([(1.0, 10.0)] * 4)
+    batches = []
+    monkeypatch.setattr(type(gpu), "estimates_error", property(lambda self: True))
+    monkeypatch.setattr(gpu, "measure_batch", lambda ws, clock, agree=None: batches.append(
+        ([w.name for w in ws], clock)) or [Measurement(1.0, 2.0, 0.0, clock, "mux")] * len(ws))
+    spent = []
+    found = measure_batch(gpu, [W, W], 1410, spent=spent.append)
+    assert [m.method for m in found] == ["mux", "mux"] and batches == [([W.name] * 2, 1410)]
+    assert measure_variant(gpu, W, 1005).method == "mux"  # once: no repeats
+    assert len(batches) == 2 and len(spent) == 1
 
 
 def test_ranks_measuring_together_repeat_alike():

@@ -484,6 +484,34 @@ def test_opening_leaves_the_locks_of_live_connections(tmp_path):
     assert str(path) not in opened
 
 
+def test_how_a_counter_behaves_is_kept_per_gpu_and_driver(tmp_path):
+    with ProfileStore(cache_dir=tmp_path) as store:
+        assert store.counter("NVIDIA H200", "570.1") is None
+        store.record_counter("NVIDIA H200", "570.1", '{"integrates": true}')
+        store.record_counter("NVIDIA H200", "570.1", '{"integrates": false}')  # probed again
+    with ProfileStore(cache_dir=tmp_path) as store:
+        assert store.counter("NVIDIA H200", "570.1") == '{"integrates": false}'
+        assert store.counter("NVIDIA H200", "575.0") is None
+
+
+def test_a_schema_2_store_gains_the_counters_table_in_place(tmp_path):
+    path = tmp_path / FILENAME
+    _real_store(path, 3)
+    with sqlite3.connect(path) as conn:
+        conn.execute("DROP TABLE counters")
+        conn.execute("PRAGMA user_version = 2")
+    conn.close()
+    with ProfileStore(path, read_only=True) as old:  # read as it is
+        assert len(old.evaluations(KEY)) == 3 and old.counter("gpu", "driver") is None
+    with ProfileStore(path) as store:
+        assert len(store.evaluations(KEY)) == 3  # nothing lost
+        store.record_counter("gpu", "driver", "{}")
+    assert set_aside(tmp_path, "schema-2") == []
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
+    conn.close()
+
+
 def test_old_schema_is_set_aside(tmp_path, caplog):
     path = tmp_path / FILENAME
     _real_store(path, 3)
