@@ -1,6 +1,6 @@
 """benchmarks/profiling_cost.py on a tiny model: every measurement the device took is
-counted once, per graph, and its GPU-seconds are the protocol's for its run time, as
-kareus's own GpuTime charged them."""
+counted once, per graph, and its GPU-seconds are the protocol's for its run time and clock
+switch, as kareus's own GpuTime charged them; whole graphs are measured a clock at a time."""
 
 from __future__ import annotations
 
@@ -20,7 +20,11 @@ TINY = Workload(MODEL, "tiny", tp=2, microbatch_size=2, seq=16)
 def test_the_counted_measurements_add_up_to_what_kareus_charged(tmp_path):
     result = pc.count(TINY, search_budget=3, cache_dir=tmp_path)
     json.loads(json.dumps(result))
-    graphs, totals, seconds = result["graphs"], result["totals"], Protocol().seconds_per_evaluation
+    graphs, totals = result["graphs"], result["totals"]
+
+    def seconds(run_s, switched=True):
+        return Protocol().seconds_per_batch([run_s], switched=switched)
+
     assert sorted(g["role"] for g in graphs) == sorted(
         f"{piece}/{kind}" for piece in ("embed", "block", "tail")
         for kind in ("forward", "backward"))
@@ -32,11 +36,30 @@ def test_the_counted_measurements_add_up_to_what_kareus_charged(tmp_path):
         if "error" not in whole:
             assert len(whole["run_s"]) == whole["measured"] > 0
             assert whole["variants"]["unrewritten"] == 1
-        run_s = [*(r for p in g["partitions"] for r in p["run_s"]), *whole["run_s"]]
-        assert g["gpu_s"] == pytest.approx(sum(map(seconds, run_s)))
+        clocks = whole["clock_mhz"]
+        switched = [i == 0 or f != clocks[i - 1] for i, f in enumerate(clocks)]
+        assert g["whole_graph_clock_switches"] == sum(switched) <= len(clocks)
+        partition_s = sum(seconds(r) for p in g["partitions"] for r in p["run_s"])
+        alone = sum(map(seconds, whole["run_s"], switched))
+        batched = len(set(whole["batch"])) < len(whole["batch"])
+        assert g["gpu_s"] - partition_s == (pytest.approx(alone) if not batched else
+                                            pytest.approx(g["whole_graph_gpu_s"]))
+        assert not batched or g["whole_graph_gpu_s"] < alone  # a batch shares its readings
         assert g["gpu_s"] == pytest.approx(result["kareus_gpu_s"].get(g["label"], 0.0))
     assert totals["partition_evaluations"] > 0 and totals["whole_graph_measurements"] > 0
     assert totals["measurements"] == (totals["partition_evaluations"]
                                       + totals["whole_graph_measurements"])
     assert totals["gpu_s_per_rank"] == pytest.approx(sum(result["kareus_gpu_s"].values()))
     assert totals["gpu_minutes_per_node"] == pytest.approx(totals["gpu_s_per_rank"] * 2 / 60)
+    assert totals["sampled_counter_gpu_s_per_rank"] > 10 * totals["gpu_s_per_rank"]
+    whole = sum(g["whole_graph_measurements"] for g in graphs)
+    assert sum(g["whole_graph_clock_switches"] for g in graphs) < whole  # a clock at a time
+
+
+def test_the_last_line_is_the_figure_per_node(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(pc.Training, "of", lambda *a, **k: TINY)
+    assert pc.main(["--search-budget", "2", "--cache-dir", str(tmp_path / "c"),
+                    "--out", str(tmp_path / "r.json")]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    figure = json.loads((tmp_path / "r.json").read_text())["totals"]["gpu_minutes_per_node"]
+    assert last == f"{figure:.1f} GPU-minutes per node"
