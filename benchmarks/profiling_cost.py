@@ -19,7 +19,8 @@ least squares over the counter's readings: ``devices.nvml.multiplex``), exactly 
 ``measure_variant`` and ``measure_batch`` charge ``GpuTime`` for a simulated, deterministic
 device, with the simulated GPU's time of the variant as ``run_s``. A partition's points
 are measured one at a time (each its own clock switch); a whole graph's variants a clock
-at a time (the clock switches between batches only). Where the counter samples part of
+at a time (the clock switches between batches only), and its chosen point is checked
+once in a 2 s window (``Protocol.seconds_per_check``). Where the counter samples part of
 the time the device falls back to windows long enough for the stated error
 (``SAMPLED_WINDOW_S``, 3 repeats each): that figure is printed beside it.
 
@@ -70,20 +71,22 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import kareus
 from kareus.devices import SimulatedGPU
 from kareus.devices.base import Measurement, Workload
+from kareus.devices.nvml.multiplex import DEFAULT_POLICY
 from kareus.offline.trace import compile_microbatch
 from kareus.offline.workload import Workload as Training
 from kareus.passes.decide import Choice
 from kareus.planner.measured import FirstCallPlanning
 from kareus.profiler.graph_cost import measured_clocks
-from kareus.profiler.measure import Protocol
+from kareus.profiler.measure import COUNTER_PERIOD_S, Protocol
 from kareus.reports import GraphReport
 from kareus.version import __version__
 
 DEVICE = "sim:h200"
 TARGET_GPU_MINUTES_PER_NODE = 15.0
-SAMPLED_WINDOW_S = 5.0
-"""A window long enough where the counter samples part of each update (Yang, Adamek,
-Armour, SC'24: at least 5 s, over repeated trials, cut the error from 39% to 4.9%)."""
+SAMPLED_WINDOW_S = COUNTER_PERIOD_S / DEFAULT_POLICY.max_error
+"""The window the NVML device falls back to where the counter samples part of each update
+(``NvmlGPU.fallback_window_s``: the update period over the stated error, 6.7 s at 100 ms;
+Yang, Adamek, Armour, SC'24 likewise needed windows of at least 5 s)."""
 REPLICAS = 8
 # The workload ``kareus bench`` plans Llama 3.1 8B at (offline.suite.MATRIX): 8 x 4096 tokens
 # per microbatch, no pipeline, no recomputation; only one microbatch's graphs are measured.
@@ -98,6 +101,7 @@ class Logged:
     clock_mhz: int
     run_s: float
     batch: int | None = None  # the batch it was measured in (None: alone)
+    check: bool = False  # a chosen point's check (``Device.check``)
 
 
 class MeasuringGPU(SimulatedGPU):
@@ -118,8 +122,17 @@ class MeasuringGPU(SimulatedGPU):
 
     def measure(self, workload: Workload, clock_mhz: int, *, resources=None) -> Measurement:
         m = super().measure(workload, clock_mhz, resources=resources)
-        self.log.append(Logged(workload.name, clock_mhz, m.time_s, self._batch))
+        self.log.append(Logged(workload.name, clock_mhz, m.time_s, self._batch, self._check))
         return m
+
+    _check = False
+
+    def check(self, workload, clock_mhz):
+        self._check = True
+        try:
+            return super().check(workload, clock_mhz)
+        finally:
+            self._check = False
 
     _batch: int | None = None
     _batches = 0
@@ -168,8 +181,9 @@ class GraphCount:
         partition_s = _points_s(self.partition_run_s(), protocol)
         whole = list(zip(self.whole.get("run_s", []), self.whole.get("clock_mhz", []),
                          self.whole.get("batch", []), strict=True))
-        whole_s = _batches_s(whole, protocol)
-        every = [*self.partition_run_s(), *(r for r, _, _ in whole)]
+        checks = self.whole.get("check_run_s", [])
+        whole_s = _batches_s(whole, protocol) + sum(map(protocol.seconds_per_check, checks))
+        every = [*self.partition_run_s(), *(r for r, _, _ in whole), *checks]
         return {
             "label": self.label, "role": self.role, "graph_hash": self.graph_hash,
             "kind": self.kind,
@@ -256,6 +270,7 @@ def _totals(rows: list[dict[str, Any]], measurements: int, protocol: Protocol,
         "partition_evaluations": sum(r["partition_measurements"] for r in rows),
         "whole_graph_measurements": sum(r["whole_graph_measurements"] for r in rows),
         "measurements": measurements,
+        "checks": sum(len(r["whole_graph"].get("check_run_s", [])) for r in rows),
         "gpu_s_per_rank": per_rank,
         "node_wall_minutes": per_rank / 60,
         "gpu_minutes_per_node": per_rank * tp / 60,
@@ -326,7 +341,8 @@ def _whole_graph(first: FirstCallPlanning, gpu: MeasuringGPU, into: GraphCount) 
     what measuring the unrewritten graph would have taken."""
     start = len(gpu.log)
     FirstCallPlanning.__call__(first, ())
-    taken = gpu.log[start:]
+    checks = [e.run_s for e in gpu.log[start:] if e.check]
+    taken = [e for e in gpu.log[start:] if not e.check]
     label = first.analysis.label
     (report,) = (r for r in first.reports.all() if r.label == label)
     failed = [n for n in report.notes if "measuring the whole graph failed" in n]
@@ -344,7 +360,8 @@ def _whole_graph(first: FirstCallPlanning, gpu: MeasuringGPU, into: GraphCount) 
         kinds["unrewritten" if variant.startswith("k=1 ") else
               "default" if variant in defaults else "candidate"] += 1
     into.whole = {"variants": kinds, "measured": len(taken), "run_s": [e.run_s for e in taken],
-                  "clock_mhz": [e.clock_mhz for e in taken], "batch": [e.batch for e in taken]}
+                  "clock_mhz": [e.clock_mhz for e in taken], "batch": [e.batch for e in taken],
+                  "check_run_s": checks}
 
 
 def _unrewritten_s(first: FirstCallPlanning, gpu: MeasuringGPU) -> list[float]:
@@ -405,7 +422,8 @@ def table(result: dict[str, Any]) -> Table:
         ("Whole-graph variants: unrewritten + each k's default (at "
          f"{len(result['whole_graph_clocks'])} of {len(result['search_clocks'])} clocks, the "
          "unrewritten one also at a held-back clock) + composed candidates (at the measured "
-         f"clocks around theirs), a clock at a time; {t['clock_switches']} clock switches."),
+         f"clocks around theirs), a clock at a time; {t['clock_switches']} clock switches; "
+         f"each graph's chosen point checked once in a long window ({t['checks']} checks)."),
         (f"With {t['replicas']} data-parallel replicas: "
          f"{t['gpu_minutes_per_node_with_replicas']:.1f} GPU-minutes per node (replicas do "
          "not share the work yet). If the counter samples part of the time (windows of "

@@ -127,6 +127,7 @@ def test_an_energy_budget_is_planned_from_measured_graphs_and_the_plan_runs(tmp_
         run = rank["energy"]
         assert run["measured"] > 0 and run["gpu_s"] > 0
         assert any("whole graph measured at its first call" in n for n in run["notes"])
+        assert any("checked in one 2 s window" in n for n in run["notes"])
         assert not any("cannot cost a whole graph" in n for n in run["notes"])
         locked = [args[-1] for name, *args in rank["setters"]
                   if name == "nvmlDeviceSetGpuLockedClocks"]

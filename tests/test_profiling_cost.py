@@ -41,14 +41,17 @@ def test_the_counted_measurements_add_up_to_what_kareus_charged(tmp_path):
         assert g["whole_graph_clock_switches"] == sum(switched) <= len(clocks)
         partition_s = sum(seconds(r) for p in g["partitions"] for r in p["run_s"])
         alone = sum(map(seconds, whole["run_s"], switched))
+        checked = sum(map(Protocol.seconds_per_check, whole["check_run_s"]))
+        assert len(whole["check_run_s"]) <= 1  # the chosen point, once
         batched = len(set(whole["batch"])) < len(whole["batch"])
-        assert g["gpu_s"] - partition_s == (pytest.approx(alone) if not batched else
-                                            pytest.approx(g["whole_graph_gpu_s"]))
-        assert not batched or g["whole_graph_gpu_s"] < alone  # a batch shares its readings
+        assert g["gpu_s"] - partition_s - checked == (pytest.approx(alone) if not batched else
+                                            pytest.approx(g["whole_graph_gpu_s"] - checked))
+        assert not batched or g["whole_graph_gpu_s"] - checked < alone  # shared readings
         assert g["gpu_s"] == pytest.approx(result["kareus_gpu_s"].get(g["label"], 0.0))
     assert totals["partition_evaluations"] > 0 and totals["whole_graph_measurements"] > 0
     assert totals["measurements"] == (totals["partition_evaluations"]
-                                      + totals["whole_graph_measurements"])
+                                      + totals["whole_graph_measurements"] + totals["checks"])
+    assert totals["checks"] > 0
     assert totals["gpu_s_per_rank"] == pytest.approx(sum(result["kareus_gpu_s"].values()))
     assert totals["gpu_minutes_per_node"] == pytest.approx(totals["gpu_s_per_rank"] * 2 / 60)
     assert totals["sampled_counter_gpu_s_per_rank"] > 10 * totals["gpu_s_per_rank"]

@@ -27,7 +27,7 @@ from kareus.passes.analyse import GraphAnalysis
 from kareus.passes.decide import Choice, Decision
 from kareus.passes.ops import DEFAULT_CLOCK_MHZ
 from kareus.planner.step import StepPlanner
-from kareus.profiler.graph_cost import FAILURES, GraphMeasurer
+from kareus.profiler.graph_cost import FAILURES, GraphMeasurer, MeasuredGraph
 from kareus.profiler.interrupt import DeferredSignals
 from kareus.profiler.measure import GpuTime
 from kareus.profiler.profile import PartitionProfile, Settings
@@ -93,10 +93,12 @@ class FirstCallPlanning:
             try:
                 with ProfileStore(cache_dir=self.cache_dir) as store, \
                         ProfilingProgress(shows) as progress:
-                    measured = GraphMeasurer(
+                    measurer = GraphMeasurer(
                         self.analysis, workload, self.device, store, self.settings, self.spend,
                         prefix=self.compile_key, progress=progress, stop=signals.stop,
-                    ).run(lambda cost: self.planner.explore(self.analysis, self.profiles, cost))
+                    )
+                    measured = measurer.run(
+                        lambda cost: self.planner.explore(self.analysis, self.profiles, cost))
             except FAILURES as exc:
                 why = f"not planned: measuring the whole graph failed: {type(exc).__name__}: {exc}"
                 self.spend.warn(label, why)
@@ -111,11 +113,32 @@ class FirstCallPlanning:
                    f"from the store; {self.spend.describe(label)}")
         if shows:
             make_console().print(f"kareus {label}: {summary}")
-        _, note = self.planner.choose(self.analysis, self.profiles, measured.cost,
+        choice, note = self.planner.choose(self.analysis, self.profiles, measured.cost,
                                            region=self.region, compile_key=self.compile_key)
-        self.reports.update(label, notes_added=tuple(n for n in (summary, note) if n),
+        checked = (None if choice is None or not measurer.ran  # once: where it was measured
+                   else _checked(measurer, choice, measured, self.device))
+        if checked is not None and shows:
+            make_console().print(f"kareus {label}: {checked}")
+        self.reports.update(label, notes_added=tuple(n for n in (summary, note, checked) if n),
                             profile_gpu_s=self.spend.by_graph.get(label, 0.0))
         log.info("%s: measured at its first call; %s", label, note)
+
+
+def _checked(measurer: GraphMeasurer, choice: Choice, measured: MeasuredGraph,
+             device: Device) -> str | None:
+    """``measurer.check``, under deferred signals, clocks reset after; a check that fails
+    leaves the plan as it is and says why."""
+    with DeferredSignals() as signals:
+        measurer.stop = signals.stop
+        try:
+            return measurer.check(choice, measured)
+        except FAILURES as exc:
+            why = f"the chosen point's check failed: {type(exc).__name__}: {exc}"
+            log.warning("%s: %s", measurer.analysis.label, why)
+            return why
+        finally:
+            if device.controls_clocks:
+                device.clock_controller().reset()
 
 
 def _copy(value: Any) -> Any:

@@ -36,15 +36,18 @@ from __future__ import annotations
 import itertools
 import json
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from kareus.devices.base import Device, Measurement, Workload
+from kareus.devices.nvml.gpu import CHECK_WINDOW_S
 from kareus.errors import KareusError
 from kareus.passes.analyse import GraphAnalysis
 from kareus.passes.decide import Choice
 from kareus.passes.variants import Variant
 from kareus.profiler.exchange import ProfilingAborted, Team
+from kareus.profiler.interrupt import check
 from kareus.profiler.measure import GpuTime, ProfileBudgetSpent, measure_batch
 from kareus.profiler.profile import Progress, Settings
 from kareus.profiler.search import Point, SearchResult
@@ -160,10 +163,16 @@ class MeasuredGraph:
         """The clocks its variants were measured at (:func:`grid`)."""
         return _grid_of(self.search_clocks, self.measurements)
 
+    def point(self, choice: Choice) -> Measurement | None:
+        """What the group's measurements say ``choice`` costs (at a clock of the search:
+        measured, or predicted from its neighbours); None where they do not tell."""
+        answer = _answer(self.grid, choice, [choice.clock_mhz], self.measurements.get)
+        return None if answer is None else answer[choice.clock_mhz]
+
     def cost(self, variant: Variant | None, clocks: Sequence[int]) -> dict[int, Measurement] | None:
         """``planner.graph.GraphCost`` from the measurements: None where the variant (or a
         neighbour of an asked clock) was not measured."""
-        answer = _answer(self.grid, variant, clocks, self.measurements.get)
+        answer = _answer(self.grid, Choice.of(variant), clocks, self.measurements.get)
         return None if answer is None else {
             f: replace(m, energy_j=m.energy_j / self.group_size,
                        static_power_w=m.static_power_w / self.group_size)
@@ -177,12 +186,11 @@ def _grid_of(search_clocks: Sequence[int], measurements: dict[Choice, Measuremen
 
 
 def _answer(
-    clocks_measured: Sequence[int], variant: Variant | None, clocks: Sequence[int],
+    clocks_measured: Sequence[int], base: Choice, clocks: Sequence[int],
     lookup: Callable[[Choice], Measurement | None],
 ) -> dict[int, Measurement] | None:
-    """The variant at each of ``clocks``: those of ``clocks_measured`` looked up, the others
-    predicted from the measured clocks either side of them."""
-    base = Choice.of(variant)
+    """``base``'s variant at each of ``clocks``: those of ``clocks_measured`` looked up, the
+    others predicted from the measured clocks either side of them."""
     curve: dict[int, Measurement] = {}
     for f in _needed(clocks_measured, clocks):
         m = lookup(base.at(f))
@@ -249,12 +257,13 @@ class GraphMeasurer:
         self.store, self.settings, self.spend = store, settings, spend
         self.progress, self.stop = progress, stop
         self.label = f"{analysis.label} whole graph"
-        groups = sorted({c.group_name for c in analysis.collectives})
-        self.team = Team.of_groups(groups, f"kareus/graph/{prefix}", settings.timeout_s, stop,
-                                   decode=_choice)
+        self.groups, self.prefix = sorted({c.group_name for c in analysis.collectives}), prefix
+        self.team = Team.of_groups(self.groups, f"kareus/graph/{prefix}", settings.timeout_s,
+                                   stop, decode=_choice)
         self.search_clocks = tuple(device.search_clocks())
         self.measurements: dict[Choice, Measurement] = {}
         self.fresh = self.reused = 0
+        self.ran = 0  # variants this rank ran in the team's batches: alike on every rank
         self.gpu_s = 0.0
         self._steps = 0
         self._clock: int | None = None  # the clock the last batch ran at
@@ -306,7 +315,7 @@ class GraphMeasurer:
         for choice in wanted:
             if choice not in self.measurements and not self._stored(choice):
                 self._missing[choice] = None
-        return _answer(clocks_measured, variant, clocks, self.measurements.get)
+        return _answer(clocks_measured, Choice.of(variant), clocks, self.measurements.get)
 
     def _stored(self, choice: Choice) -> bool:
         """Whether ``choice`` was read back from the store (and is now known)."""
@@ -346,6 +355,39 @@ class GraphMeasurer:
             self.progress(self.label, done, done, [Point.of(c, x)
                                                   for c, x in self.measurements.items()])
 
+    def check(self, choice: Choice, measured: MeasuredGraph) -> str | None:
+        """The chosen ``choice`` measured once more on every rank of the team, apart from
+        the batches, in one long window (``Device.check``): how far it moved from what the
+        plan used, said in a note; None where the measurements do not cost it. Every rank
+        of the team calls it alike (where the team measured anything: ``ran``)."""
+        point = choice.at(choice.clock_mhz or self.search_clocks[0])
+        expected = measured.point(point)
+        if expected is None:
+            return None
+        team = Team.of_groups(self.groups, f"kareus/graph-check/{self.prefix}",
+                              self.settings.timeout_s, self.stop, decode=_choice)
+        if team.leads:
+            try:
+                found = team.measure(0, point, self._check_here)
+            except BaseException as exc:
+                team.abort(f"rank {team.rank} failed: {type(exc).__name__}: {exc}")
+                raise
+            team.finish(1, SearchResult([Point.of(point, found)], "checked"), {point: found})
+        else:
+            _, checked = team.follow(self._check_here)
+            found = checked[point]
+        return (f"the chosen point ({point}) checked in one {CHECK_WINDOW_S:g} s window: "
+                f"time {found.time_s / expected.time_s - 1:+.1%}, energy "
+                f"{found.energy_j / expected.energy_j - 1:+.1%} from what the plan used")
+
+    def _check_here(self, choice: Choice, agree: Callable[[int], int] | None) -> Measurement:
+        check(self.stop)
+        started = time.perf_counter()
+        m = self.device.check(replace(self.workload(choice), agree=agree), choice.clock_mhz)
+        self._spent(self.settings.protocol.seconds_per_check(m.time_s)
+                    if self.device.deterministic else time.perf_counter() - started)
+        return m
+
     def _key(self, choice: Choice) -> ProfileKey:
         """Where ``choice``'s variant is stored: the graph's hash, the count, the choices."""
         partitions = json.dumps([list(p) for p in choice.partitions])
@@ -363,6 +405,7 @@ class GraphMeasurer:
     ) -> list[Measurement]:
         (clock,) = {c.clock_mhz for c in choices}
         switched, self._clock = clock != self._clock, clock
+        self.ran += len(choices)
         return measure_batch(
             self.device, [self.workload(c) for c in choices], clock, agree=agree,
             protocol=self.settings.protocol, switched=switched, stop=self.stop,

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field, replace
 
 from kareus.devices.base import Device, Measurement, Resources, Workload
 from kareus.devices.nvml.energy import DEFAULT_MIN_WINDOW_S
-from kareus.devices.nvml.gpu import DEFAULT_SETTLE_S
+from kareus.devices.nvml.gpu import CHECK_WINDOW_S, DEFAULT_SETTLE_S
 from kareus.devices.nvml.multiplex import DEFAULT_POLICY, MultiplexPolicy, first_blocks
 from kareus.errors import KareusError
 from kareus.profiler.interrupt import check
@@ -164,6 +164,12 @@ class Protocol:
         of ``min_window_s`` (as the energy meter sizes it), and the pauses between repeats."""
         window_s = max(run_s, 1.1 * min_window_s)
         return settle_s + self.repeats * (run_s + window_s) + (self.repeats - 1) * self.cooldown_s
+
+    @staticmethod
+    def seconds_per_check(run_s: float, *, settle_s: float = DEFAULT_SETTLE_S) -> float:
+        """GPU time checking a chosen point takes (``Device.check``): the settle, a warm-up
+        run and one window of 110% of ``CHECK_WINDOW_S``, as the NVML meter sizes it."""
+        return settle_s + run_s + max(run_s, 1.1 * CHECK_WINDOW_S)
 
     @staticmethod
     def seconds_per_batch(

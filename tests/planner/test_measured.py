@@ -5,6 +5,7 @@ run measures nothing, a profiling budget stops the measuring with a stated fallb
 device that cannot set clocks refuses a budget that needs them, saying why."""
 
 import logging
+import re
 
 import pytest
 from test_step import _train as train_step
@@ -87,6 +88,11 @@ def test_a_time_budget_is_planned_from_first_call_measurements_and_met(fake_pg, 
     for report in reports.values():
         assert report.profile_gpu_s > 0
         assert any("whole graph measured at its first call" in n for n in report.notes)
+        # the chosen point, measured again in a long window (a model answers alike: what
+        # moved is the prediction, where the point lies between measured clocks)
+        (moved,) = [re.search(r"checked in one 2 s window: time ([-+][\d.]+)%, energy "
+                              r"([-+][\d.]+)%", n) for n in report.notes if "checked" in n]
+        assert moved and all(abs(float(x)) <= 2.0 for x in moved.groups())
         assert not any("cannot cost a whole graph" in n for n in report.notes)
     # the next run measures nothing: every whole graph (and partition) is in the store
     measured.clear()
