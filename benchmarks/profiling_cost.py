@@ -283,10 +283,9 @@ def _totals(rows: list[dict[str, Any]], measurements: int, protocol: Protocol,
         "sampled_window_s": SAMPLED_WINDOW_S,
         "clock_switches": (sum(r["partition_measurements"] for r in rows)
                            + sum(r["whole_graph_clock_switches"] for r in rows)),
-        # What a measurement costs before its variant runs at all: the settle and the
-        # repeats' minimum windows (the variants here run for milliseconds).
-        "floor_s_per_measurement": floor_s,
-        "floor_share": measurements * floor_s / per_rank if per_rank else 0.0,
+        # What a variant measured alone costs before it runs at all: the settle and the
+        # blocks the counter's readings need (a partition's point).
+        "floor_s_per_lone_measurement": floor_s,
         # Graphs whose whole-graph measurement failed (not planned): what measuring them
         # unrewritten would add, not in the totals above.
         "not_measured_gpu_s": sum(
