@@ -735,15 +735,7 @@ def _upgrade(path: Path) -> None:
         version = conn.execute("PRAGMA user_version").fetchone()[0]
         if version not in UPGRADES:
             return
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            for statement in filter(str.strip, UPGRADES[version].split(";")):
-                conn.execute(statement)
-            conn.execute(f"PRAGMA user_version = {version + 1}")
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-        conn.execute("COMMIT")
+        _run_script(conn, UPGRADES[version], f"PRAGMA user_version = {version + 1}")
         logger.info("profile store %s: upgraded from schema %d to %d", path, version,
                     version + 1)
     except sqlite3.Error:
@@ -850,13 +842,17 @@ def _create_schema(conn: sqlite3.Connection) -> None:
     conn.execute("PRAGMA synchronous = FULL")  # Per connection.
     if conn.execute("PRAGMA application_id").fetchone()[0] == APPLICATION_ID:
         return
+    _run_script(conn, _SCHEMA, f"PRAGMA application_id = {APPLICATION_ID}",
+                f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+
+def _run_script(conn: sqlite3.Connection, script: str, *then: str) -> None:
+    """``script``'s statements, then ``then``'s, in one transaction; statement by statement:
+    executescript would COMMIT the transaction first."""
     conn.execute("BEGIN IMMEDIATE")
     try:
-        # Statement by statement: executescript would COMMIT the transaction first.
-        for statement in filter(str.strip, _SCHEMA.split(";")):
+        for statement in [*filter(str.strip, script.split(";")), *then]:
             conn.execute(statement)
-        conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
-        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
     except BaseException:
         conn.execute("ROLLBACK")
         raise
