@@ -36,10 +36,11 @@ below the slowest, starved-collective points is most of the volume and any near-
 point already earns most of it).
 
 Profiling time: distinct partitions x evaluations x seconds per evaluation, under two
-protocols: kareus's (``profiler.measure.Protocol()`` with the NVML device's defaults: 0.1 s
-settle after the clock change, then 3 repeats of a warm-up run and a window of at least
-0.55 s, ``Protocol.seconds_per_evaluation`` of the partitions' median default-variant run
-time; more repeats where they spread by over 5% are not counted) and the method's
+protocols: kareus's (the multiplexed protocol, ``Protocol.seconds_per_batch`` of one
+partition point measured alone at the partitions' median default-variant run time: the
+NVML device's 0.1 s settle after the clock change, a warm-up run, and the 0.15 s blocks the
+energy counter's readings need to state its error; blocks added above 1.5% are not
+counted) and the method's
 artifact's, about 12 s (REFERENCE.md section 1: lock the clock, 2 s to settle, warm-up, a
 timed calibration run, 5 s cool-down, a 5 s energy window). Under TP8 every partition
 occupies all 8 GPUs of the node, so partitions are profiled one after another: node
@@ -102,9 +103,9 @@ THRESHOLDS = (0.95, 0.98, 0.99)
 TARGET = (0.98, 32)  # 98% of the exhaustive hypervolume within 32 evaluations
 ARTIFACT_SECONDS_PER_EVALUATION = 12.0  # the artifact's protocol (REFERENCE.md section 1)
 PROTOCOL_SOURCES = {
-    "kareus": "profiler.measure.Protocol() on the NVML device's defaults: 0.1 s settle, 3 "
-    "repeats of a warm-up run and a >= 0.55 s energy window (Protocol.seconds_per_evaluation "
-    "of the partitions' median default-variant run time)",
+    "kareus": "the multiplexed protocol for a point measured alone: 0.1 s settle, a warm-up "
+    "run and the 0.15 s blocks the energy counter's readings need to state its error "
+    "(Protocol.seconds_per_batch of the partitions' median default-variant run time)",
     "artifact": "the method's artifact protocol (REFERENCE.md section 1): clock locked, 2 s "
     "settle, warm-up, timed calibration run, 5 s cool-down, 5 s NVML energy window",
 }
@@ -618,7 +619,7 @@ def _protocol_seconds(cases: Sequence[Case]) -> float:
     the partitions' median default variant."""
     runs = [case.table[case.space.default].time_s for case in cases
             if case.space is not None and case.table]
-    return Protocol().seconds_per_evaluation(statistics.median(runs) if runs else 0.0)
+    return Protocol.seconds_per_batch([statistics.median(runs) if runs else 0.0])
 
 
 def _target_met(summary: dict[str, Any]) -> bool | None:
