@@ -349,6 +349,8 @@ def test_a_sampling_counter_falls_back_to_long_windows() -> None:
             [Workload("w", run=lambda: clock.advance(0.002))] * 2, MHZ
         )
         checked = nvml.check(Workload("w", run=lambda: clock.advance(0.002)), MHZ)
+        alone = nvml.measure(Workload("w", run=lambda: clock.advance(0.002)), MHZ)
+    assert alone.details["min_window_s"] == 0.4  # the protocol's windows, as long
     for m in measured:
         assert m.method == "nvml-energy-counter" and m.details["min_window_s"] == 0.4
         assert m.details["window_s"] >= 0.4 and "error" not in m.details

@@ -318,7 +318,11 @@ class NvmlGPU(Device, Closing):
                 "(runtime.communicators), not by the meter; measure the rewritten graph "
                 "with resources=None",
             )
-        return self._windowed(workload, clock_mhz, self.meter, workload.agree)
+        # Once the counter is known not to integrate (probed before profiling measures),
+        # a window must be long enough for the stated error, as in measure_batch.
+        known = self._counter is not None and not self._counter.integrates
+        meter = self.meter.lengthened(self.fallback_window_s) if known else self.meter
+        return self._windowed(workload, clock_mhz, meter, workload.agree)
 
     def measure_batch(
         self, workloads: Sequence[Workload], clock_mhz: int, agree: Agree | None = None
