@@ -123,8 +123,9 @@ class Protocol:
 
     Multiplexed (the default where the counter integrates; ``multiplex.MultiplexPolicy``
     holds its settings): a 0.1 s settle, then blocks of 0.15 s, enough of them that the
-    counter's readings state each variant's error, more where it exceeds 1.5%: about 1 s
-    for one variant, 0.2 s each for ten (:meth:`seconds_per_batch`). Windows (elsewhere):
+    counter's readings state each variant's error, more where it exceeds 1.5%: about 0.6 s
+    for one variant, 0.15 s each for ten, where the probe measured the counter's noise
+    (:meth:`seconds_per_batch`). Windows (elsewhere):
     3 repeats, at most 6, a spread
     (max - min over the median, of time and of energy) of at most 5%, no pause between
     repeats; with the NVML device's defaults (0.1 s settle after a clock change, windows of
@@ -175,14 +176,18 @@ class Protocol:
     def seconds_per_batch(
         run_s: Sequence[float], *, switched: bool = True, settle_s: float = DEFAULT_SETTLE_S,
         period_s: float = COUNTER_PERIOD_S, policy: MultiplexPolicy = DEFAULT_POLICY,
+        noise_known: bool = True,
     ) -> float:
         """GPU time the multiplexed protocol takes for variants taking ``run_s`` per run at
         one clock, on a counter updating every ``period_s``: the settle where the clock
         ``switched``, then per variant a warm-up run and the first round's blocks
         (``multiplex.first_blocks``: enough of the counter's updates to state an error,
-        however few the variants). Rounds added for points above the policy's
-        ``max_error`` are not counted: how many a GPU needs is what it measures."""
-        blocks = first_blocks(len(run_s), period_s, policy) if run_s else 0
+        however few the variants; fewer where the probe measured the counter's noise,
+        ``noise_known``, as it does on an integrating counter). Rounds added for points
+        above the policy's ``max_error`` are not counted: how many a GPU needs is what it
+        measures."""
+        blocks = (first_blocks(len(run_s), period_s, policy, noise_known=noise_known)
+                  if run_s else 0)
         return settle_s * switched + sum(r + blocks * max(r, policy.block_s) for r in run_s)
 
 

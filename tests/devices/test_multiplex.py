@@ -25,7 +25,9 @@ from kareus.devices.errors import EnergyCounterSilentError
 from kareus.devices.nvml.counter import CounterBehaviour
 from kareus.devices.nvml.gpu import CHECK_WINDOW_S, NvmlGPU, batch_seed
 from kareus.devices.nvml.multiplex import (
+    DEFAULT_POLICY,
     MIN_FREEDOM,
+    POOLED_FREEDOM,
     Block,
     MultiplexPolicy,
     MultiplexPolicyError,
@@ -116,6 +118,26 @@ def test_too_few_readings_state_no_error() -> None:
     assert all(math.isinf(error) for error in fit_at(few, blocks, len(POWERS_W), 0.0).error)
 
 
+def test_a_known_counter_noise_states_an_error_from_few_readings() -> None:
+    """Readings too few to tell the noise from the residuals (``MIN_FREEDOM``) state an
+    error where the counter's noise is known; its floor is that noise, so a fit never
+    claims to beat the counter, and the errors still cover the deviations."""
+    ticks, blocks = synthetic(lag_s=0.0, noise_mj=20.0, seed=3)
+    few = ticks[: len(POWERS_W) + 2 + MIN_FREEDOM - 2]
+    assert all(math.isinf(e) for e in fit_at(few, blocks, len(POWERS_W), 0.0).error)
+    pooled = fit_at(few, blocks, len(POWERS_W), 0.0, noise_mj=20.0)
+    loud = fit_at(few, blocks, len(POWERS_W), 0.0, noise_mj=200.0)
+    louder = fit_at(few, blocks, len(POWERS_W), 0.0, noise_mj=400.0)
+    stated = [v for v, e in enumerate(pooled.error) if math.isfinite(e)]
+    assert len(stated) >= 3
+    for v in stated:
+        assert abs(pooled.power_w[v] - POWERS_W[v]) / POWERS_W[v] < 4 * pooled.error[v]
+        # above the residuals' scatter, the noise sets the error
+        assert pooled.error[v] <= loud.error[v] == pytest.approx(louder.error[v] / 2)
+    fewest = ticks[: len(POWERS_W) + 2 + POOLED_FREEDOM - 1]
+    assert all(math.isinf(e) for e in fit_at(fewest, blocks, len(POWERS_W), 0.0, 20.0).error)
+
+
 def test_jittered_ticks_are_put_back_on_their_regular_updates() -> None:
     ticks, blocks = synthetic(lag_s=0.02, jitter_s=0.0015)
     seen = [Tick(t.time_s, t.mj, 0.004) for t in ticks]
@@ -141,6 +163,9 @@ def test_blocks_are_added_as_the_error_asks_up_to_the_cap() -> None:
     assert more_blocks(0.1, 2, policy) == 6  # capped at 8 in all
     assert first_blocks(5, None, policy) == 1
     assert first_blocks(5, 0.1, policy) == 2  # 15 updates over 5 blocks of 150 ms
+    # one variant: 11 updates (8 blocks) to tell the noise, 5 (4 blocks) where it is known
+    assert first_blocks(1, 0.1, DEFAULT_POLICY) == 8
+    assert first_blocks(1, 0.1, DEFAULT_POLICY, noise_known=True) == 4
     with pytest.raises(MultiplexPolicyError, match="max_rounds must be at least 1"):
         MultiplexPolicy(max_rounds=0)
 
@@ -314,9 +339,11 @@ def device(fake: FakeNvml, **kwargs: object) -> NvmlGPU:
     return NvmlGPU(nvml_module=fake, reset_at_exit=False, **kwargs)
 
 
-def behaviour(integrates: bool, period_s: float = 0.1) -> CounterBehaviour:
+def behaviour(
+    integrates: bool, period_s: float = 0.1, noise_mj: float | None = None
+) -> CounterBehaviour:
     return CounterBehaviour("NVIDIA A100-SXM4-40GB", "550.54.15", period_s, integrates,
-                            0.01 if integrates else 0.8, 5.0)
+                            0.01 if integrates else 0.8, 5.0, noise_mj)
 
 
 def workloads(runs: Sequence[Callable[[], object]]) -> list[Workload]:
@@ -338,6 +365,18 @@ def test_measure_batch_multiplexes_where_the_counter_integrates() -> None:
         assert {"error", "runs", "blocks", "control_drift", "clock_locked"} <= set(m.details)
         assert m.details["clock_locked"] == 1.0 and 0 < m.details["error"] < 0.5
     assert [m.details["control"] for m in measured] == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_a_lone_variant_on_a_counter_of_known_noise_takes_half_the_blocks() -> None:
+    fake, _, timeline = fake_gpu(**COUNTER)
+    run = variants(timeline)[2]
+    with device(fake, timer=time.perf_counter,
+                counter=behaviour(integrates=True, noise_mj=50.0)) as gpu:
+        (m,) = gpu.measure_batch(workloads([run]), MHZ)
+    assert m.method == "nvml-multiplexed" and 0 < m.details["error"] < 0.5
+    assert m.energy_j == pytest.approx(run.true_energy_j(m.time_s), rel=0.02)
+    # the first round's 4 blocks (8 without the noise), and more only if the error asks
+    assert m.details["blocks"] == 4 or m.details["rounds"] > 1
 
 
 def test_a_sampling_counter_falls_back_to_long_windows() -> None:

@@ -119,11 +119,16 @@ def test_the_protocols_gpu_time_per_evaluation():
     assert Protocol(cooldown_s=5).seconds_per_evaluation(0.01) == pytest.approx(10.1 + 3 * 0.56)
     # multiplexed: the settle where the clock changed, then a warm-up run and as many
     # 0.15 s blocks (a run, where longer) as the counter's updates need to state errors
-    two, one = first_blocks(2, 0.1, DEFAULT_POLICY), first_blocks(1, 0.1, DEFAULT_POLICY)
+    # (fewer where the probe measured the counter's noise, as on an integrating counter)
+    two, one = (first_blocks(n, 0.1, DEFAULT_POLICY, noise_known=True) for n in (2, 1))
     assert two < one  # a batch shares the readings its error needs
     assert Protocol().seconds_per_batch([0.01, 0.3]) == pytest.approx(
         0.1 + 0.01 + two * 0.15 + 0.3 + two * 0.3)
     assert Protocol().seconds_per_batch([0.01], switched=False) == pytest.approx(0.01 + one * 0.15)
+    unknown = first_blocks(1, 0.1, DEFAULT_POLICY)
+    assert unknown > one
+    assert Protocol().seconds_per_batch([0.01], switched=False, noise_known=False) == (
+        pytest.approx(0.01 + unknown * 0.15))
 
 
 def test_a_batch_is_measured_together_where_the_device_states_its_errors(monkeypatch):

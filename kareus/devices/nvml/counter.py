@@ -68,6 +68,11 @@ MIN_WAVE_S = 0.02
 MIN_WINDOW_S = 0.2
 """Shortest window, for counters that update every few milliseconds (or continuously)."""
 
+NOISE_UPDATES = 12
+"""Updates (at least) over which the period and the noise of an update are measured: the
+noise's standard deviation is then known to about 20% (sqrt(1 / (2 * 9)), the first two
+gaps left out)."""
+
 LEVEL_UPDATES = 4
 """Updates in each of the windows that measure the busy and the idle power."""
 
@@ -91,6 +96,11 @@ class CounterBehaviour:
     calls took), the worst wave period: ~0 integrating, up to 1."""
     probe_s: float
     """How long the probe took."""
+    update_noise_mj: float | None = None
+    """Standard deviation of one update's increment while steadily busy (the counter's
+    noise and the power's own jitter): the scatter a multiplexed fit's residuals show,
+    known before the fit, so that a batch of few readings still states its error
+    (``multiplex.POOLED_FREEDOM``). None: not probed (a record from before it was)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -105,6 +115,7 @@ class CounterBehaviour:
         if not isinstance(data, dict):
             raise CounterBehaviourFormatError(f"a {type(data).__name__}, not an object")
         expected = {f.name: f.type for f in fields(cls)}
+        data.setdefault("update_noise_mj", None)  # records from before it was probed
         if set(data) != set(expected):
             raise CounterBehaviourFormatError(
                 f"fields {sorted(data)}, expected {sorted(expected)}"
@@ -117,6 +128,8 @@ class CounterBehaviour:
 
 def _is(value: object, kind: str) -> bool:
     """Whether a JSON value is of a field's annotated type (a bool is no number here)."""
+    if kind == "float | None":
+        return value is None or _is(value, "float")
     if kind == "float":
         return isinstance(value, int | float) and not isinstance(value, bool)
     return isinstance(value, {"str": str, "bool": bool}[kind])
@@ -245,7 +258,7 @@ def probe_counter(
     stall_s: float = 1.0,
 ) -> CounterBehaviour:
     """Probe the energy counter ``read_mj`` (mJ) reads: its update period and whether it
-    integrates power; about 8 s at a 100 ms update period, 4 s at 50 ms.
+    integrates power; about 9 s at a 100 ms update period, 5 s at 50 ms.
 
     ``busy(s)``/``idle(s)`` keep the GPU busy/idle for about ``s`` seconds of ``timer``.
     ``periods`` are the square waves' periods in update periods: 1 catches counters that
@@ -257,7 +270,7 @@ def probe_counter(
     rng = rng or random.Random()
     began = timer()
     poller = _Poller(read_mj, busy, idle, timer, gpu=gpu, poll_s=poll_s, stall_s=stall_s)
-    period_s = _update_period(poller)
+    period_s, noise_mj = _update_period(poller)
     level_s = max(LEVEL_UPDATES * period_s, MIN_WINDOW_S)
     loaded, unloaded = (poller.window(_steady(b), level_s, period_s) for b in (True, False))
     levels = _Levels(
@@ -282,13 +295,15 @@ def probe_counter(
         integrates=swing < SWING_LIMIT,
         swing=swing,
         probe_s=timer() - began,
+        update_noise_mj=noise_mj,
     )
     logger.info(
-        "%s (driver %s): energy counter updates every %.1f ms and %s (swing %.3f of the "
-        "busy-idle power %.0f W; probed in %.1f s)",
+        "%s (driver %s): energy counter updates every %.1f ms (noise %s mJ an update) and "
+        "%s (swing %.3f of the busy-idle power %.0f W; probed in %.1f s)",
         gpu,
         driver,
         1e3 * period_s,
+        "unknown" if noise_mj is None else f"{noise_mj:.1f}",
         "integrates the power" if behaviour.integrates else "samples the power part of the time",
         swing,
         levels.per_duty_w,
@@ -297,18 +312,30 @@ def probe_counter(
     return behaviour
 
 
-def _update_period(poller: _Poller, min_s: float = 0.5, min_gaps: int = 5) -> float:
+def _update_period(
+    poller: _Poller, min_s: float = 0.5, min_gaps: int = NOISE_UPDATES
+) -> tuple[float, float | None]:
     """The interval between the counter's changes while busy, over at least ``min_s`` and
-    ``min_gaps`` gaps: the median gap says how many updates the span from the first change
-    to the last holds (a change seen twice or missed does not count), and the span over
-    that many is the period, without the median's error of a poll's jitter (waves of the
-    period must keep their phase to the updates over a window of several)."""
-    times = [poller.next_change(_steady(True))[0]]
-    while len(times) <= min_gaps or times[-1] - times[0] < min_s:
-        times.append(poller.next_change(_steady(True))[0])
-    median = statistics.median(b - a for a, b in itertools.pairwise(times))
-    span = times[-1] - times[0]
-    return span / max(round(span / median), 1)
+    ``min_gaps`` gaps, and the standard deviation of one update's increment then.
+
+    The median gap says how many updates the span from the first change to the last holds
+    (a change seen twice or missed does not count), and the span over that many is the
+    period, without the median's error of a poll's jitter (waves of the period must keep
+    their phase to the updates over a window of several). The noise is the scatter of the
+    increments of the gaps one update long (the busy power is steady) but the first two;
+    None where fewer than two such gaps were one update long."""
+    changes = [poller.next_change(_steady(True))]
+    while len(changes) <= min_gaps or changes[-1][0] - changes[0][0] < min_s:
+        changes.append(poller.next_change(_steady(True)))
+    gaps = [(b[0] - a[0], b[1] - a[1]) for a, b in itertools.pairwise(changes)]
+    median = statistics.median(gap for gap, _ in gaps)
+    span = changes[-1][0] - changes[0][0]
+    period_s = span / max(round(span / median), 1)
+    # The first gaps may still count the activity before the probe (read up to an update
+    # late), so the noise skips them.
+    single = [mj for gap, mj in gaps[2:] if round(gap / period_s) == 1]
+    noise_mj = statistics.stdev(single) if len(single) >= 2 else None
+    return period_s, noise_mj
 
 
 def _swing(

@@ -232,11 +232,13 @@ class NvmlEnergyMeter:
         seed: int = 0,
         *,
         period_s: float | None = None,
+        noise_mj: float | None = None,
     ) -> Multiplexed:
         """Each of ``runs`` measured together, interleaved in blocks, its energy recovered
         from the counter's updates (``nvml.multiplex``; the first run is the control). Only
         for a counter that integrates power continuously, updating every ``period_s`` (None:
-        told from its updates); ``seed`` and ``agree`` must be every rank's."""
+        told from its updates), with ``noise_mj`` per update where known; ``seed`` and
+        ``agree`` must be every rank's."""
         if not self._use_counter:
             raise UnsupportedMeasurementError(
                 self.gpu, "multiplexed energy", "it has no NVML energy counter to read"
@@ -250,6 +252,7 @@ class NvmlEnergyMeter:
             agree=agree,
             cuda=self._cuda,
             period_s=period_s,
+            noise_mj=noise_mj,
         )
 
     def reading(self) -> EnergyReading | None:

@@ -345,6 +345,7 @@ class NvmlGPU(Device, Closing):
             agree,
             batch_seed([workload.name for workload in workloads]),
             period_s=self.counter_behaviour().update_period_s,
+            noise_mj=self.counter_behaviour().update_noise_mj,
         )
         return [
             Measurement(

@@ -112,9 +112,16 @@ class MultiplexPolicy:
 DEFAULT_POLICY = MultiplexPolicy()
 
 MIN_FREEDOM = 8
-"""Fewest intervals beyond the unknowns for an error to be stated: the residuals' variance
-s^2 is uncertain by sqrt(2 / freedom), half of it at 8 (fewer, and a lucky small residual
-would pass a poor fit as a precise one)."""
+"""Fewest intervals beyond the unknowns for an error to be stated from the residuals alone:
+their variance s^2 is uncertain by sqrt(2 / freedom), half of it at 8 (fewer, and a lucky
+small residual would pass a poor fit as a precise one)."""
+
+POOLED_FREEDOM = 2
+"""Fewest intervals beyond the unknowns for an error to be stated where the counter's noise
+per update is known (``CounterBehaviour.update_noise_mj``, probed over many updates): the
+variance is then the larger of that noise's and the residuals', so a fit that explains its
+readings worse than the counter's noise does still says so, and a batch needs only a few
+readings beyond its unknowns rather than ``MIN_FREEDOM``."""
 
 
 @dataclass(frozen=True)
@@ -323,9 +330,13 @@ def update_period_s(ticks: Sequence[Tick]) -> float | None:
     return statistics.median(b.time_s - a.time_s for a, b in itertools.pairwise(ticks))
 
 
-def fit_at(ticks: Sequence[Tick], blocks: Sequence[Block], variants: int, lag_s: float) -> Fit:
+def fit_at(
+    ticks: Sequence[Tick], blocks: Sequence[Block], variants: int, lag_s: float,
+    noise_mj: float | None = None,
+) -> Fit:
     """The non-negative least-squares powers of ``variants`` variants (and of the gaps)
-    explaining the energy between consecutive ``ticks`` read ``lag_s`` late."""
+    explaining the energy between consecutive ``ticks`` read ``lag_s`` late; ``noise_mj``:
+    the counter's noise per update where known (see ``POOLED_FREEDOM``)."""
     times = np.array([tick.time_s for tick in ticks]) - lag_s
     energy_j = np.diff([tick.mj for tick in ticks]) / 1000.0
     low, high = times[:-1, None], times[1:, None]
@@ -343,7 +354,7 @@ def fit_at(ticks: Sequence[Tick], blocks: Sequence[Block], variants: int, lag_s:
     residual = energy_j - design[:, present] @ power[present]
     rss = float(residual @ residual)
     error = np.full(variants + 1, math.inf)
-    error[present] = _relative_errors(design[:, present], power[present], rss)
+    error[present] = _relative_errors(design[:, present], power[present], rss, noise_mj)
     return Fit(
         tuple(float(p) for p in power[:variants]),
         tuple(float(e) for e in error[:variants]),
@@ -354,14 +365,21 @@ def fit_at(ticks: Sequence[Tick], blocks: Sequence[Block], variants: int, lag_s:
     )
 
 
-def _relative_errors(design: np.ndarray, power: np.ndarray, rss: float) -> np.ndarray:
+def _relative_errors(
+    design: np.ndarray, power: np.ndarray, rss: float, noise_mj: float | None
+) -> np.ndarray:
     """Standard error of each power (covariance ``s^2 (A^T A)^-1``) over the power; inf
-    where the readings are too few to tell it (``MIN_FREEDOM``), or the power is zero."""
+    where the readings are too few to tell it (``MIN_FREEDOM``, or ``POOLED_FREEDOM``
+    where the counter's ``noise_mj`` per update is known: ``s^2`` is then at least its
+    square), or the power is zero."""
     rows, columns = design.shape
     freedom = rows - columns - 1  # the lag is fitted too
-    if freedom < MIN_FREEDOM:
+    if freedom < (MIN_FREEDOM if noise_mj is None else POOLED_FREEDOM):
         return np.full(columns, math.inf)
-    covariance = rss / freedom * np.linalg.pinv(design.T @ design)
+    variance = rss / freedom
+    if noise_mj is not None:
+        variance = max(variance, (noise_mj / 1000.0) ** 2)
+    covariance = variance * np.linalg.pinv(design.T @ design)
     spread = np.sqrt(np.clip(np.diag(covariance), 0.0, None))
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(power > 0, spread / power, math.inf)
@@ -374,13 +392,14 @@ def solve(
     *,
     period_s: float,
     lag_step_s: float = MultiplexPolicy.lag_step_s,
+    noise_mj: float | None = None,
 ) -> Fit:
     """:func:`fit_at` at the lag with the least residual: a grid of ``lag_step_s`` from 0
     to ``period_s``, then a fifth of the step around the best of it."""
     coarse = np.arange(0.0, period_s + lag_step_s / 2, lag_step_s)
-    best = min((fit_at(ticks, blocks, variants, lag) for lag in coarse), key=_rss)
+    best = min((fit_at(ticks, blocks, variants, lag, noise_mj) for lag in coarse), key=_rss)
     fine = best.lag_s + np.linspace(-lag_step_s, lag_step_s, 11)
-    refined = (fit_at(ticks, blocks, variants, lag) for lag in fine[fine >= 0])
+    refined = (fit_at(ticks, blocks, variants, lag, noise_mj) for lag in fine[fine >= 0])
     return min([best, *refined], key=_rss)
 
 
@@ -433,13 +452,17 @@ def more_blocks(error: float, blocks: int, policy: MultiplexPolicy) -> int:
     return max(0, min(policy.max_blocks, max(needed, 2 * blocks)) - blocks)
 
 
-def first_blocks(variants: int, period_s: float | None, policy: MultiplexPolicy) -> int:
+def first_blocks(
+    variants: int, period_s: float | None, policy: MultiplexPolicy, *, noise_known: bool = False
+) -> int:
     """Blocks of each variant in the first round: ``min_blocks``, or more where the
     counter's period is known and they would not span enough updates for an error to be
-    stated (``MIN_FREEDOM`` beyond the unknowns: the powers, the gap's and the lag)."""
+    stated (``MIN_FREEDOM`` beyond the unknowns: the powers, the gap's and the lag;
+    ``POOLED_FREEDOM`` where the counter's noise is ``noise_known``)."""
     if period_s is None:
         return policy.min_blocks
-    needed_s = (variants + 2 + MIN_FREEDOM) * period_s
+    freedom = POOLED_FREEDOM if noise_known else MIN_FREEDOM
+    needed_s = (variants + 2 + freedom) * period_s
     return max(policy.min_blocks, math.ceil(needed_s / (variants * policy.block_s)))
 
 
@@ -499,10 +522,12 @@ def multiplex(
     agree: Agree | None = None,
     cuda: bool = False,
     period_s: float | None = None,
+    noise_mj: float | None = None,
 ) -> Multiplexed:
     """Time and energy per run of each of ``runs``, run interleaved in blocks while
     ``read_mj`` (the energy counter, mJ) is polled; ``period_s`` is the counter's update
-    period where known (else the median time between its ticks). ``control`` runs in every
+    period where known (else the median time between its ticks), ``noise_mj`` its noise
+    per update where known (fewer readings then state an error). ``control`` runs in every
     round; ``seed`` (the same on every rank) draws the block order; ``agree`` (see the
     module docstring) is called in the same order on every rank."""
     decide = agree or _alone
@@ -510,7 +535,8 @@ def multiplex(
     variants = len(runs)
     batch = _Batch(runs, timer, cuda)
     per_run_s = [_warm_up(run, timer, cuda) for run in runs]
-    counts = [first_blocks(variants, period_s, policy)] * variants
+    counts = [first_blocks(variants, period_s, policy, noise_known=noise_mj is not None)
+              ] * variants
     with TickRecorder(read_mj, timer, policy.poll_s) as recorder:
         for round_ in range(policy.max_rounds):
             sizes = [decide(runs_to_fill(per_run_s[v], policy.block_s)) if count else 0
@@ -525,7 +551,7 @@ def multiplex(
             period = period_s or _period(ticks)
             usable = regular(ticks, period, policy.poll_s) or sharp(ticks, policy.max_spread_s)
             fit = solve(usable, batch.blocks, variants, period_s=period,
-                        lag_step_s=policy.lag_step_s)
+                        lag_step_s=policy.lag_step_s, noise_mj=noise_mj)
             if round_ == policy.max_rounds - 1:
                 break
             counts = [decide(more_blocks(fit.error[v], len(batch.of(v)), policy))
@@ -535,7 +561,7 @@ def multiplex(
             counts[control] = max(counts[control], 1)
             per_run_s = [batch.per_run_s(v) for v in range(variants)]
     split = fit_at(usable, by_round(batch.blocks, control, variants), variants + round_ + 1,
-                   fit.lag_s)
+                   fit.lag_s, noise_mj)
     result = Multiplexed(
         tuple(batch.estimate(v, fit) for v in range(variants)),
         control,
