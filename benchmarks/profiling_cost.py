@@ -6,21 +6,24 @@ blocks of a model, are measured once):
 
 - partitions: each distinct partition of a graph whose collective can launch at more than
   one slot, searched per nanobatch count k of the graph's space (``profile.profile_graph``:
-  a Bayesian search of at most ``search_budget`` evaluations);
+  a Bayesian search of at most ``search_budget`` evaluations, the graph's searches side by
+  side, a round per clock);
 - whole graphs, at their first call (``planner.measured``, ``graph_cost.GraphMeasurer``):
   every variant the planner's frontier asks for (``planner.graph.graph_frontier``: the
   unrewritten graph, each k's default variant, each candidate of the composed frontier),
   at every other search clock and the last (``graph_cost.measured_clocks``).
 
-Each measurement costs what the default protocol takes on a GPU whose energy counter
-integrates (``Protocol().seconds_per_batch``, the NVML device's 0.1 s settle where the
-clock changes, then a warm-up run and one 0.1 s block per variant, energies recovered by
-least squares over the counter's readings: ``devices.nvml.multiplex``), exactly what
-``measure_variant`` and ``measure_batch`` charge ``GpuTime`` for a simulated, deterministic
-device, with the simulated GPU's time of the variant as ``run_s``. A partition's points
-are measured one at a time (each its own clock switch); a whole graph's variants a clock
-at a time (the clock switches between batches only), and its chosen point is checked
-once in a 2 s window (``Protocol.seconds_per_check``). Where the counter samples part of
+Each batch costs what the default protocol takes on a GPU whose energy counter integrates
+and whose noise the probe measured (``Protocol().seconds_per_batch``: the NVML device's
+0.1 s settle where the clock changes, then a warm-up run per variant, blocks spanning the
+counter updates the batch's errors need, and the waits for the counter's report;
+energies recovered by least squares over the counter's readings:
+``devices.nvml.multiplex``), exactly what ``measure_batch`` charges ``GpuTime`` for a
+simulated, deterministic device, with the simulated GPU's time of each variant as
+``run_s``. A graph's partition points are measured a round at a time (one clock and one
+batch each, the searches side by side); a whole graph's variants a clock at a time (the
+clock switches between batches only), and its chosen point is checked once in a 2 s
+window (``Protocol.seconds_per_check``). Where the counter samples part of
 the time the device falls back to windows long enough for the stated error
 (``SAMPLED_WINDOW_S``, 3 repeats each): that figure is printed beside it.
 
@@ -137,10 +140,10 @@ class MeasuringGPU(SimulatedGPU):
     _batch: int | None = None
     _batches = 0
 
-    def measure_batch(self, workloads, clock_mhz, agree=None):
+    def measure_batch(self, workloads, clock_mhz, agree=None, resources=None):
         self._batch, self._batches = self._batches, self._batches + 1
         try:
-            return super().measure_batch(workloads, clock_mhz, agree)
+            return super().measure_batch(workloads, clock_mhz, agree, resources)
         finally:
             self._batch = None
 
@@ -166,8 +169,11 @@ class GraphCount:
     partitions: list[dict[str, Any]] = field(default_factory=list)
     whole: dict[str, Any] = field(default_factory=dict)
 
+    rounds: list[tuple[int, int, float]] = field(default_factory=list)
+    """The partition searches' measurements (batch, clock, run time) in the order taken."""
+
     def partition_run_s(self) -> list[float]:
-        return [r for p in self.partitions for r in p["run_s"]]
+        return [r for _, _, r in self.rounds]
 
     def to_json(self, protocol: Protocol) -> dict[str, Any]:
         per_k: dict[str, dict[str, float]] = {}
@@ -177,8 +183,8 @@ class GraphCount:
             k["distinct"] += 1
             k["evaluations"] += p["evaluations"]
             k["measured"] += p["measured"]
-            k["gpu_s"] += _points_s(p["run_s"], protocol)
-        partition_s = _points_s(self.partition_run_s(), protocol)
+            k["gpu_s"] += p["kareus_gpu_s"]
+        partition_s = _batches_s([(r, f, b) for b, f, r in self.rounds], protocol)
         whole = list(zip(self.whole.get("run_s", []), self.whole.get("clock_mhz", []),
                          self.whole.get("batch", []), strict=True))
         checks = self.whole.get("check_run_s", [])
@@ -193,6 +199,8 @@ class GraphCount:
             "whole_graph_measurements": len(self.whole.get("run_s", [])),
             "partition_gpu_s": partition_s, "whole_graph_gpu_s": whole_s,
             "gpu_s": partition_s + whole_s,
+            "partition_rounds": len({b for b, _, _ in self.rounds}),
+            "partition_batches": [list(entry) for entry in self.rounds],
             "whole_graph_clock_switches": _switches([f for _, f, _ in whole]),
             "sampled_counter_gpu_s": sum(
                 protocol.seconds_per_evaluation(r, min_window_s=SAMPLED_WINDOW_S) for r in every),
@@ -200,14 +208,14 @@ class GraphCount:
 
 
 def _points_s(run_s: Sequence[float], protocol: Protocol) -> float:
-    """Partition points, measured one at a time: a clock switch each."""
+    """Points measured one at a time: a clock switch each."""
     return sum(protocol.seconds_per_batch([r]) for r in run_s)
 
 
 def _batches_s(entries: Sequence[tuple[float, int, int]], protocol: Protocol) -> float:
-    """A whole graph's measurements (run time, clock, batch) in the order taken: each batch
-    as one (its variants share the counter's readings), a clock switch where the clock
-    changed, as ``graph_cost.GraphMeasurer`` charges them."""
+    """Measurements (run time, clock, batch) in the order taken: each batch as one (its
+    variants share the counter's readings), a clock switch where the clock changed, as
+    ``profile.profile_graph``'s rounds and ``graph_cost.GraphMeasurer`` charge them."""
     batches: dict[int, tuple[int, list[float]]] = {}
     for run_s, clock, batch in entries:
         batches.setdefault(batch, (clock, []))[1].append(run_s)
@@ -281,7 +289,8 @@ def _totals(rows: list[dict[str, Any]], measurements: int, protocol: Protocol,
         "sampled_counter_gpu_s_per_rank": sampled,
         "sampled_counter_gpu_minutes_per_node": sampled * tp / 60,
         "sampled_window_s": SAMPLED_WINDOW_S,
-        "clock_switches": (sum(r["partition_measurements"] for r in rows)
+        "partition_rounds": sum(r["partition_rounds"] for r in rows),
+        "clock_switches": (sum(r["partition_rounds"] for r in rows)
                            + sum(r["whole_graph_clock_switches"] for r in rows)),
         # What a variant measured alone costs before it runs at all: the settle and the
         # blocks the counter's readings need (a partition's point).
@@ -295,30 +304,35 @@ def _totals(rows: list[dict[str, Any]], measurements: int, protocol: Protocol,
 
 
 def _partition_counts(reports: Sequence[GraphReport], log: list[Logged]) -> dict[str, GraphCount]:
-    """Each compiled graph's partition searches, with the run times of the measurements
-    each took: the log's partition entries in the order the searches ran (graphs in
-    compile order, each graph's searches in its profiles' order), each checked to be of
-    its partition and count."""
-    entries = iter([e for e in log if e.name.startswith("partition ")])
+    """Each compiled graph's partition searches, with the measurements each took: the
+    log's partition entries, graphs in compile order, each entry given to the profile of
+    its partition and count (a graph's searches measure side by side, a round at a time),
+    each profile taking as many as it measured."""
+    entries = [e for e in log if e.name.startswith("partition ")]
     roles = _roles(reports)
-    graphs = {}
+    graphs, at = {}, 0
     for report in reports:
         g = graphs[report.label] = GraphCount(report.label, roles[report.label], report.key,
                                               report.kind)
+        taken = entries[at: at + sum(p.measured for p in report.profiles)]
+        at += len(taken)
         for p in report.profiles:
-            taken = [next(entries, Logged("none", 0, 0.0)) for _ in range(p.measured)]
-            wrong = [e.name for e in taken if f"({p.key})" not in e.name
-                     or f" k={p.nanobatches} " not in e.name]
-            if wrong:
-                raise RuntimeError(f"{report.label}: measurements out of order: {wrong[:2]}")
+            mine = [e for e in taken if f"({p.key})" in e.name
+                    and f" k={p.nanobatches} " in e.name]
+            if len(mine) != p.measured:
+                raise RuntimeError(f"{report.label}: {len(mine)} measurements of {p.key} at "
+                                   f"k={p.nanobatches}, which measured {p.measured}")
             g.partitions.append({
                 "key": p.key, "k": p.nanobatches, "collective": p.collective,
                 "used_by": len(p.partitions), "space_size": p.space_size,
                 "evaluations": p.evaluations, "measured": p.measured, "stopped": p.stopped,
                 "error": p.error, "kareus_gpu_s": p.gpu_s,
-                "run_s": [e.run_s for e in taken],
+                "run_s": [e.run_s for e in mine],
             })
-    if next(entries, None) is not None:
+        if any(e.batch is None for e in taken):
+            raise RuntimeError(f"{report.label}: a partition measured outside a round")
+        g.rounds = [(e.batch, e.clock_mhz, e.run_s) for e in taken]
+    if at != len(entries):
         raise RuntimeError("partition measurements that no profile took")
     return graphs
 

@@ -38,9 +38,10 @@ point already earns most of it).
 Profiling time: distinct partitions x evaluations x seconds per evaluation, under two
 protocols: kareus's (the multiplexed protocol, ``Protocol.seconds_per_batch`` of one
 partition point measured alone at the partitions' median default-variant run time: the
-NVML device's 0.1 s settle after the clock change, a warm-up run, and the 0.15 s blocks the
-energy counter's readings need to state its error; blocks added above 1.5% are not
-counted) and the method's
+NVML device's 0.1 s settle after the clock change, a warm-up run, the blocks the energy
+counter's readings need to state its error and the waits for its report; blocks added
+above 1.5% are not counted; an upper bound: a graph's searches share their rounds,
+``benchmarks/profiling_cost.py`` counts them so) and the method's
 artifact's, about 12 s (REFERENCE.md section 1: lock the clock, 2 s to settle, warm-up, a
 timed calibration run, 5 s cool-down, a 5 s energy window). Under TP8 every partition
 occupies all 8 GPUs of the node, so partitions are profiled one after another: node
@@ -84,6 +85,7 @@ from kareus.profiler.search import (
     Config,
     Objective,
     Point,
+    SearchResult,
     Space,
     hypervolume,
     pareto,
@@ -271,10 +273,11 @@ def _limited_threads():
     return threadpool_limits(1)
 
 
-def kareus_order(space: Space, oracle: Oracle, n: int, seed: int) -> list[Point]:
-    """``search``'s measurement order; ``patience`` past ``n`` so that it runs to ``n``."""
+def kareus_order(space: Space, oracle: Oracle, n: int, seed: int) -> SearchResult:
+    """``search``'s measurements (with its rounds); ``patience`` past ``n`` so that it runs
+    to ``n``."""
     with _limited_threads():
-        return search(space, oracle, budget=n, seed=seed, patience=n + 1).points
+        return search(space, oracle, budget=n, seed=seed, patience=n + 1)
 
 
 def random_order(space: Space, oracle: Oracle, n: int, seed: int) -> list[Point]:
@@ -305,7 +308,7 @@ def sweep_order(space: Space, oracle: Oracle, n: int, seed: int) -> list[Point]:
     return points + oracle.points((second + rest)[: n - len(points)])
 
 
-ORDERS: dict[str, Callable[[Space, Oracle, int, int], list[Point]]] = {
+ORDERS: dict[str, Callable[[Space, Oracle, int, int], list[Point] | SearchResult]] = {
     "kareus": kareus_order,
     "random": random_order,
     "sweep": sweep_order,
@@ -337,12 +340,15 @@ def evals_to(curve: Sequence[float], threshold: float) -> int | None:
     return next((n for n, f in enumerate(curve, 1) if f >= threshold - _EPS), None)
 
 
-def default_run_length(hypervolumes: Sequence[float], *, budget: int = 32, initial: int = 6,
-                       patience: int = 8, tolerance: float = 1e-3) -> int:
+def default_run_length(hypervolumes: Sequence[float], rounds: Sequence[int], *,
+                       budget: int = 32, initial: int = 6, patience: int = 8,
+                       tolerance: float = 1e-3) -> int:
     """How many evaluations ``search`` with its defaults makes, from a longer run's
-    ``hypervolumes``: the default run is that run's prefix (same start, same proposals)
-    and stops at ``budget`` or when the volume has not grown for ``patience`` evaluations
-    (search.py's rule, replayed; the smoke test checks it against a real default run)."""
+    ``hypervolumes`` and ``rounds`` (points per round): the default run is that run's
+    prefix (same start, same proposals) and stops at ``budget`` or at the end of the round
+    in which the volume has not grown for ``patience`` evaluations (search.py's rule,
+    replayed; the smoke test checks it against a real default run)."""
+    ends = list(itertools.accumulate(rounds))
     n = min(initial, budget, len(hypervolumes))
     best, stale = hypervolumes[n - 1], 0
     while n < min(budget, len(hypervolumes)):
@@ -352,9 +358,9 @@ def default_run_length(hypervolumes: Sequence[float], *, budget: int = 32, initi
             best, stale = volume, 0
         else:
             stale += 1
-            if stale >= patience:
-                break
-    return n
+        if stale >= patience and n in ends:
+            break
+    return min(n, budget)
 
 
 def _median_or_none(values: Sequence[int | None]) -> float | None:
@@ -397,8 +403,9 @@ def evaluate_case(
         for seed in seeds:
             oracle = Oracle(case.table)
             start = time.perf_counter()
-            points = order(space, oracle, n, seed)
+            ordered = order(space, oracle, n, seed)
             elapsed = time.perf_counter() - start
+            points = ordered.points if isinstance(ordered, SearchResult) else ordered
             if [p.config for p in points] != oracle.asked or len(points) != n:
                 raise AssertionError(f"{strategy}: measured other points than it reports")
             for name, (energy, _) in METRICS.items():
@@ -407,7 +414,8 @@ def evaluate_case(
                 proposal_s.append(elapsed / max(1, n - 6))
                 hvs = [hypervolume(points[:i], reference_point(points[:6])) for i in
                        range(1, n + 1)]
-                used = default_run_length(hvs)
+                assert isinstance(ordered, SearchResult)
+                used = default_run_length(hvs, ordered.rounds)
                 default_runs.append({
                     "seed": seed, "evaluations": used,
                     "fraction": {m: curves[m][-1][used - 1] for m in METRICS},

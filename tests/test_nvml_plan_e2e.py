@@ -36,7 +36,7 @@ def _train(gpu, options, cache_dir, steps=3):
     from kareus.profiler import graph_cost, profile
 
     measured = []
-    for module, name in ((graph_cost, "measure_batch"), (profile, "measure_variant")):
+    for module, name in ((graph_cost, "measure_batch"), (profile, "measure_batch")):
         original = getattr(module, name)
 
         def counting(device, work, *args, _original=original, **kwargs):

@@ -22,14 +22,14 @@ def _worker(rank, port, out_dir, cache_dir, profile, delay_s, measure_delay_s):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         calls = []
-        measure = profiling.measure_variant
+        measure = profiling.measure_batch
 
-        def slow_measure(*args, **kwargs):
-            calls.append(args[2])
-            time.sleep(measure_delay_s[rank])
-            return measure(*args, **kwargs)
+        def slow_measure(device, workloads, clock_mhz, **kwargs):
+            calls.extend([clock_mhz] * len(workloads))
+            time.sleep(measure_delay_s[rank] * len(workloads))
+            return measure(device, workloads, clock_mhz, **kwargs)
 
-        profiling.measure_variant = slow_measure
+        profiling.measure_batch = slow_measure
         torch.manual_seed(0)
         model = AllReduceBlock(hidden=32)
         time.sleep(delay_s[rank])

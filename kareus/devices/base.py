@@ -221,15 +221,19 @@ class Device(abc.ABC):
     def measure_batch(
         self, workloads: Sequence[Workload], clock_mhz: int,
         agree: Callable[[int], int] | None = None,
+        resources: Sequence[Resources | None] | None = None,
     ) -> list[Measurement]:
-        """Each of ``workloads`` (no SM caps) at ``clock_mhz``, in their order: what
-        :meth:`measure` gives one by one, where a device measures them no better together.
-        A GPU whose energy counter integrates runs them interleaved and recovers each one's
-        energy from the counter's readings (``nvml.multiplex``), the clock switched once.
-        ``agree`` (``Workload.agree``) is the batch's, where ranks run it together: every
-        decision that changes what runs goes through it, in the same order on every rank."""
-        return [self.measure(w if agree is None else replace(w, agree=agree), clock_mhz)
-                for w in workloads]
+        """Each of ``workloads`` at ``clock_mhz``, in their order, with its SM caps from
+        ``resources`` (None: none): what :meth:`measure` gives one by one, where a device
+        measures them no better together. A GPU whose energy counter integrates runs them
+        interleaved and recovers each one's energy from the counter's readings
+        (``nvml.multiplex``), the clock switched once. ``agree`` (``Workload.agree``) is
+        the batch's, where ranks run it together: every decision that changes what runs
+        goes through it, in the same order on every rank."""
+        caps = list(resources) if resources is not None else [None] * len(workloads)
+        return [self.measure(w if agree is None else replace(w, agree=agree), clock_mhz,
+                             resources=r)
+                for w, r in zip(workloads, caps, strict=True)]
 
     def probe_counter(self, cache: Any = None) -> None:
         """Find how the device's energy counter behaves before measuring on it (a GPU's:

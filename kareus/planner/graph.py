@@ -79,6 +79,10 @@ def graph_frontier(
     clock is a point whatever the counts, so the baseline (unrewritten at the default
     clock) is always one a plan can take: a plan is never worse than doing nothing."""
     unrewritten = cost(None, clocks)
+    # Each count's default is asked for before the answer is looked at: a device that must
+    # measure whole graphs measures them with the unrewritten one, clock by clock.
+    defaults = {k: (analysis.space.default(k), cost(analysis.space.default(k), clocks))
+                for k in counts if k != 1 and k in analysis.space.nanobatches}
     if unrewritten is None:
         return None
     single = [FrontierPoint(m.time_s, m.effective_energy_j, Choice(1, f, ()))
@@ -89,11 +93,7 @@ def graph_frontier(
     }
     known = {(1, ()): unrewritten}
     nanobatched: list[FrontierPoint] = []
-    for k in counts:
-        if k == 1 or k not in analysis.space.nanobatches:
-            continue
-        default = analysis.space.default(k)
-        whole = cost(default, clocks)
+    for k, (default, whole) in defaults.items():
         if whole is None:
             continue
         known[(k, tuple(zip(default.slots, default.resources, strict=True)))] = whole

@@ -62,6 +62,11 @@ MeasureBatchHere = Callable[[list[Any], Callable[[int], int] | None], list[Measu
 (``measure.measure_batch``), one measurement each in their order."""
 
 
+Outcome = tuple[SearchResult, dict[Any, Measurement]] | str
+"""What the leader posts of one search at the end: its result with every measurement by
+configuration, or why it failed."""
+
+
 def _config(fields: dict[str, Any]) -> Hashable:
     return Config(**fields)
 
@@ -171,10 +176,11 @@ class Team:
         return [group_measurement([m, *(t[i] for t in theirs)], self.group_size)
                 for i, m in enumerate(mine)]
 
-    def finish(self, step: int, result: SearchResult, measured: dict[Any, Measurement]) -> None:
-        """Post the result as instruction ``step``: the others adopt it."""
+    def finish(self, step: int, outcomes: Sequence[Outcome]) -> None:
+        """Post the outcomes (a search's result and measurements, or why it failed, for
+        each search the team ran) as instruction ``step``: the others adopt them."""
         if not self.alone:
-            self._store.set(self._step(step), f"done {_result_json(result, measured)}")
+            self._store.set(self._step(step), f"done {_outcomes_json(outcomes)}")
 
     def abort(self, reason: str) -> None:
         if not self.alone:
@@ -184,8 +190,8 @@ class Team:
 
     def follow(
         self, measure_here: MeasureHere, measure_batch_here: MeasureBatchHere | None = None
-    ) -> tuple[SearchResult, dict[Any, Measurement]]:
-        """Measure what the leader asks, until it posts the result; return that result.
+    ) -> list[Outcome]:
+        """Measure what the leader asks, until it posts the outcomes; return them.
         ``measure_batch_here`` measures the leader's batches (a leader that posts none
         needs none)."""
         step = 0
@@ -198,7 +204,7 @@ class Team:
                 raise
             kind, _, payload = _text(self._store.get(self._step(step))).partition(" ")
             if kind == "done":
-                return _result(payload, self.decode)
+                return _outcomes(payload, self.decode)
             if kind not in ("measure", "batch") or (kind == "batch" and not measure_batch_here):
                 raise UnreadableInstructionError(
                     f"unreadable instruction {kind!r} under {self._keys}"
@@ -279,21 +285,31 @@ def _measurement(text: str | dict) -> Measurement:
     return Measurement(**{**fields, "resources": tuple(map(tuple, fields["resources"]))})
 
 
-def _result_json(result: SearchResult, measured: dict[Any, Measurement]) -> str:
-    return json.dumps({
-        "stopped": result.stopped,
-        "hypervolumes": result.hypervolumes,
-        "points": [[asdict(p.config), asdict(measured[p.config])] for p in result.points],
-    })
+def _outcomes_json(outcomes: Sequence[Outcome]) -> str:
+    def one(outcome: Outcome) -> dict[str, Any]:
+        if isinstance(outcome, str):
+            return {"error": outcome}
+        result, measured = outcome
+        return {
+            "stopped": result.stopped,
+            "hypervolumes": result.hypervolumes,
+            "rounds": result.rounds,
+            "points": [[asdict(p.config), asdict(measured[p.config])] for p in result.points],
+        }
+
+    return json.dumps([one(outcome) for outcome in outcomes])
 
 
-def _result(
-    text: str, decode: Callable[[dict[str, Any]], Hashable]
-) -> tuple[SearchResult, dict[Any, Measurement]]:
-    data = json.loads(text)
-    measured = {decode(c): _measurement(m) for c, m in data["points"]}
-    points = [Point.of(config, m) for config, m in measured.items()]
-    return SearchResult(points, data["stopped"], data["hypervolumes"]), measured
+def _outcomes(text: str, decode: Callable[[dict[str, Any]], Hashable]) -> list[Outcome]:
+    def one(data: dict[str, Any]) -> Outcome:
+        if "error" in data:
+            return data["error"]
+        measured = {decode(c): _measurement(m) for c, m in data["points"]}
+        points = [Point.of(config, m) for config, m in measured.items()]
+        return (SearchResult(points, data["stopped"], data["hypervolumes"], data["rounds"]),
+                measured)
+
+    return [one(data) for data in json.loads(text)]
 
 
 def _text(value: bytes | str) -> str:

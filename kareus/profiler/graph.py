@@ -1,9 +1,9 @@
 """Profiling one graph as it compiles: the one call the backend makes.
 
 The ranks of the graph's collectives first agree that they all profile and plan it alike,
-then every distinct partition is searched at each nanobatch count the plan may choose
-(``profile.profile_graph``), through the profile store, with progress and a summary on
-rank 0.
+then every distinct partition is searched at each nanobatch count the plan may choose,
+side by side a clock at a time (``profile.profile_graph``), through the profile store,
+with progress and a summary on rank 0.
 """
 
 from __future__ import annotations
@@ -90,12 +90,11 @@ def profile(
     with DeferredSignals() as signals:
         try:
             with ProfileStore(cache_dir=cache_dir) as store, ProfilingProgress(shows) as progress:
-                for k in searched:
-                    profiles += profile_graph(
-                        analysis, k, device, store, settings, prefix=compile_key,
-                        progress=progress, lower=lower, communicators=communicators,
-                        stop=signals.stop, spend=spend,
-                    )
+                profiles = profile_graph(
+                    analysis, searched, device, store, settings, prefix=compile_key,
+                    progress=progress, lower=lower, communicators=communicators,
+                    stop=signals.stop, spend=spend,
+                )
         finally:
             if device.controls_clocks:
                 device.clock_controller().reset()

@@ -228,7 +228,7 @@ class UnsettledExplorationError(KareusError, RuntimeError):
 
 MAX_ROUNDS = 16
 """The most rounds of asking and measuring a graph takes: the planner's exploration asks
-for the unrewritten graph, then each count's default, then the candidates composed from
+for the unrewritten graph with each count's default, then the candidates composed from
 them, a few rounds; more means it keeps asking for new variants, which is a bug."""
 
 
@@ -290,14 +290,15 @@ class GraphMeasurer:
                 self.team.abort(f"rank {self.team.rank} failed: {type(exc).__name__}: {exc}")
                 raise
             points = [Point.of(c, m) for c, m in self.measurements.items()]
-            self.team.finish(self._steps, SearchResult(points, "measured"), self.measurements)
+            self.team.finish(self._steps, [(SearchResult(points, "measured"), self.measurements)])
         else:
             try:
                 self.device.probe_counter(self.store)
             except BaseException as exc:
                 self.team.abort(f"rank {self.team.rank} failed: {type(exc).__name__}: {exc}")
                 raise
-            _, self.measurements = self.team.follow(self._measure_here, self._measure_batch_here)
+            ((_, self.measurements),) = self.team.follow(
+                self._measure_here, self._measure_batch_here)
         return MeasuredGraph(dict(self.measurements), self.search_clocks, self.team.group_size,
                              self.fresh, self.reused, self.gpu_s)
 
@@ -372,9 +373,9 @@ class GraphMeasurer:
             except BaseException as exc:
                 team.abort(f"rank {team.rank} failed: {type(exc).__name__}: {exc}")
                 raise
-            team.finish(1, SearchResult([Point.of(point, found)], "checked"), {point: found})
+            team.finish(1, [(SearchResult([Point.of(point, found)], "checked"), {point: found})])
         else:
-            _, checked = team.follow(self._check_here)
+            ((_, checked),) = team.follow(self._check_here)
             found = checked[point]
         return (f"the chosen point ({point}) checked in one {CHECK_WINDOW_S:g} s window: "
                 f"time {found.time_s / expected.time_s - 1:+.1%}, energy "

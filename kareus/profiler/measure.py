@@ -42,7 +42,12 @@ from dataclasses import dataclass, field, replace
 from kareus.devices.base import Device, Measurement, Resources, Workload
 from kareus.devices.nvml.energy import DEFAULT_MIN_WINDOW_S
 from kareus.devices.nvml.gpu import CHECK_WINDOW_S, DEFAULT_SETTLE_S
-from kareus.devices.nvml.multiplex import DEFAULT_POLICY, MultiplexPolicy, first_blocks
+from kareus.devices.nvml.multiplex import (
+    DEFAULT_POLICY,
+    WAIT_UPDATES,
+    MultiplexPolicy,
+    first_round,
+)
 from kareus.errors import KareusError
 from kareus.profiler.interrupt import check
 
@@ -123,9 +128,9 @@ class Protocol:
 
     Multiplexed (the default where the counter integrates; ``multiplex.MultiplexPolicy``
     holds its settings): a 0.1 s settle, then blocks of 0.15 s, enough of them that the
-    counter's readings state each variant's error, more where it exceeds 1.5%: about 0.6 s
-    for one variant, 0.15 s each for ten, where the probe measured the counter's noise
-    (:meth:`seconds_per_batch`). Windows (elsewhere):
+    counter's readings state each variant's error, more where it exceeds 1.5%, and the
+    waits for the counter's report: about 0.8 s for one variant, 0.17 s each for ten, where
+    the probe measured the counter's noise (:meth:`seconds_per_batch`). Windows (elsewhere):
     3 repeats, at most 6, a spread
     (max - min over the median, of time and of energy) of at most 5%, no pause between
     repeats; with the NVML device's defaults (0.1 s settle after a clock change, windows of
@@ -181,14 +186,17 @@ class Protocol:
         """GPU time the multiplexed protocol takes for variants taking ``run_s`` per run at
         one clock, on a counter updating every ``period_s``: the settle where the clock
         ``switched``, then per variant a warm-up run and the first round's blocks
-        (``multiplex.first_blocks``: enough of the counter's updates to state an error,
+        (``multiplex.first_round``: enough of the counter's updates to state an error,
         however few the variants; fewer where the probe measured the counter's noise,
-        ``noise_known``, as it does on an integrating counter). Rounds added for points
-        above the policy's ``max_error`` are not counted: how many a GPU needs is what it
+        ``noise_known``, as it does on an integrating counter), and the round's waits for
+        the counter (``multiplex.WAIT_UPDATES``). Rounds added for points above the
+        policy's ``max_error`` are not counted: how many a GPU needs is what it
         measures."""
-        blocks = (first_blocks(len(run_s), period_s, policy, noise_known=noise_known)
-                  if run_s else 0)
-        return settle_s * switched + sum(r + blocks * max(r, policy.block_s) for r in run_s)
+        if not run_s:
+            return settle_s * switched
+        blocks, block_s = first_round(len(run_s), period_s, policy, noise_known=noise_known)
+        return (settle_s * switched + WAIT_UPDATES * period_s
+                + sum(r + blocks * max(r, block_s) for r in run_s))
 
 
 def measure_variant(
@@ -230,6 +238,7 @@ def measure_batch(
     clock_mhz: int,
     *,
     agree: Callable[[int], int] | None = None,
+    resources: Sequence[Resources | None] | None = None,
     protocol: Protocol = Protocol(),
     switched: bool = True,
     sleep: Callable[[float], None] = time.sleep,
@@ -239,21 +248,24 @@ def measure_batch(
     """Every one of ``workloads`` at one clock, in their order, under ``protocol``: together
     (``Device.measure_batch``) where the device estimates its own errors, else each as
     :func:`measure_variant` would. ``agree`` is the batch's (ranks measuring together);
-    ``switched``: the clock changes for this batch (what a simulated device is charged)."""
+    ``resources``: each workload's SM caps, for a device that models them (one that
+    realises them measures none: its caps are its communicators'); ``switched``: the clock
+    changes for this batch (what a simulated device is charged)."""
     check(stop)
+    caps = list(resources) if resources is not None else [None] * len(workloads)
     if device.deterministic:
-        found = device.measure_batch(workloads, clock_mhz, agree)
+        found = device.measure_batch(workloads, clock_mhz, agree, caps)
         spent(protocol.seconds_per_batch([m.time_s for m in found], switched=switched))
         return found
     if device.estimates_error:
         started = time.perf_counter()
         try:
-            return device.measure_batch(workloads, clock_mhz, agree)
+            return device.measure_batch(workloads, clock_mhz, agree, caps)
         finally:
             spent(time.perf_counter() - started)
     return [measure_variant(device, w if agree is None else replace(w, agree=agree), clock_mhz,
-                            protocol=protocol, sleep=sleep, stop=stop, spent=spent)
-            for w in workloads]
+                            resources=r, protocol=protocol, sleep=sleep, stop=stop, spent=spent)
+            for w, r in zip(workloads, caps, strict=True)]
 
 
 def _repeated(

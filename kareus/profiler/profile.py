@@ -17,25 +17,28 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
-from kareus.devices.base import Device, Measurement, Workload
+from kareus.devices.base import Device, Measurement, Resources, Workload
 from kareus.passes.analyse import GraphAnalysis
 from kareus.passes.collectives import find_collectives
 from kareus.passes.partition import Partition
 from kareus.passes.variants import PartitionChoices
 from kareus.profiler.exchange import ProfilingAborted, Team
 from kareus.profiler.interrupt import check
-from kareus.profiler.measure import GpuTime, Protocol, measure_variant
+from kareus.profiler.measure import GpuTime, Protocol, measure_batch
 from kareus.profiler.search import (
+    ClockSearch,
     Config,
+    GridSearch,
     Point,
+    Searcher,
     SearchResult,
     Space,
-    exhaustive,
+    lockstep,
     pareto,
-    search,
 )
 from kareus.profiler.store import Knobs, ProfileKey, ProfileStore, SearchRecord
 from kareus.profiler.workloads import Lower, partition_workload
@@ -88,12 +91,28 @@ class PartitionProfile:
 
 
 Progress = Callable[[str, int, int, list[Point]], None]
-"""(partition label, evaluations so far, budget, points so far) after each evaluation."""
+"""(partition label, evaluations so far, budget, points so far) after each round."""
+
+
+@dataclass(frozen=True)
+class Tagged:
+    """A configuration of one search of a schedule (its index there): what a round
+    measures, several searches' configurations at one clock together."""
+
+    search: int
+    config: Config
+
+
+def _decode(fields: dict[str, Any]) -> Hashable:
+    """A round's ``Tagged`` configuration, or a result's ``Config``, from its fields."""
+    if "search" in fields:
+        return Tagged(fields["search"], Config(**fields["config"]))
+    return Config(**fields)
 
 
 def profile_graph(
     analysis: GraphAnalysis,
-    k: int,
+    counts: Sequence[int],
     device: Device,
     store: ProfileStore,
     settings: Settings,
@@ -105,30 +124,43 @@ def profile_graph(
     stop: threading.Event | None = None,
     spend: GpuTime | None = None,
 ) -> tuple[PartitionProfile, ...]:
-    """Search every distinct partition of ``analysis`` at ``k`` nanobatches (none when the
-    mode is "off" or ``k`` does not apply). ``prefix`` names this compile of the graph
-    identically on every rank (the agreement's compile key); ``lower`` compiles the
-    variants a device runs (see ``workloads.partition_workload``). A device that does not
-    model communication resources measures a capped collective on a capped communicator
-    from ``communicators``; without them, it searches only the library's default. Once
-    ``stop`` is set (a signal, ``interrupt.DeferredSignals``) no measurement starts: the
-    search in progress is given up, its team told, and ``ProfilingInterrupted`` raised.
-    ``spend`` counts the GPU-seconds measuring takes; once its cap is reached a leader
-    measures nothing more: the search is given up (``measure.ProfileBudgetSpent``), and its
-    partition runs at its earliest slot."""
-    if settings.mode == "off" or k == 1 or k not in analysis.space.nanobatches:
+    """Search every distinct partition of ``analysis`` at each of ``counts`` nanobatches
+    (none when the mode is "off"; counts of 1 or that do not apply are skipped), in the
+    order of the counts. The searches whose collectives share a process group run side by
+    side (``search.lockstep``): a round measures what each proposes at one clock, together,
+    so the GPU's clock changes once a round rather than once a point. ``prefix`` names this
+    compile of the graph identically on every rank (the agreement's compile key);
+    ``lower`` compiles the variants a device runs (see ``workloads.partition_workload``).
+    A device that does not model communication resources measures a capped collective on
+    a capped communicator from ``communicators``; without them, it searches only the
+    library's default. Once ``stop`` is set (a signal, ``interrupt.DeferredSignals``) no
+    measurement starts: the searches in progress are given up, their team told, and
+    ``ProfilingInterrupted`` raised. ``spend`` counts the GPU-seconds measuring takes;
+    once its cap is reached a leader measures nothing more: the searches in progress are
+    given up (``measure.ProfileBudgetSpent``), and their partitions run at their earliest
+    slot."""
+    if settings.mode == "off":
         return ()
-    groups: dict[str, list[tuple[PartitionChoices, Partition]]] = {}
-    for choices, part in zip(
-        analysis.space.partitions(k), analysis.partitioning.partitions, strict=True
-    ):
-        if choices.launch_slots > 1:  # else its collective is not split: nothing overlaps
-            groups.setdefault(choices.key, []).append((choices, part))
+    schedules: dict[str, list[tuple[int, list[tuple[PartitionChoices, Partition]]]]] = {}
+    for k in counts:
+        if k == 1 or k not in analysis.space.nanobatches:
+            continue
+        groups: dict[str, list[tuple[PartitionChoices, Partition]]] = {}
+        for choices, part in zip(
+            analysis.space.partitions(k), analysis.partitioning.partitions, strict=True
+        ):
+            if choices.launch_slots > 1:  # else its collective is not split: nothing overlaps
+                groups.setdefault(choices.key, []).append((choices, part))
+        for members in groups.values():
+            schedules.setdefault(members[0][0].group_name, []).append((k, members))
+    context = _Context(analysis, device, store, settings, lower, communicators, stop,
+                       spend or GpuTime())
+
     def searches() -> tuple[PartitionProfile, ...]:
         return tuple(
-            _Search(analysis, k, members, device, store, settings, prefix, lower,
-                    communicators, stop, spend or GpuTime()).run(progress)
-            for members in groups.values()
+            profile
+            for index, (group, members) in enumerate(schedules.items())
+            for profile in _Schedule(context, group, f"{prefix}/g{index}", members).run(progress)
         )
 
     return _outside_the_compile(searches)
@@ -166,141 +198,257 @@ def _outside_the_compile(
     return result[0]
 
 
-class _Search:
-    """One distinct partition's search on this rank (leading or following its team)."""
+@dataclass(frozen=True)
+class _Context:
+    """What every search of one graph's profiling shares."""
+
+    analysis: GraphAnalysis
+    device: Device
+    store: ProfileStore
+    settings: Settings
+    lower: Lower | None
+    communicators: Communicators | None
+    stop: threading.Event | None
+    spend: GpuTime
+
+
+class _Schedule:
+    """The searches of one graph whose collectives share a process group, run side by
+    side on this rank (leading or following their team): one round per clock."""
 
     def __init__(
-        self,
-        analysis: GraphAnalysis,
-        k: int,
-        members: list[tuple[PartitionChoices, Partition]],
-        device: Device,
-        store: ProfileStore,
-        settings: Settings,
-        prefix: str,
-        lower: Lower | None,
-        communicators: Communicators | None,
-        stop: threading.Event | None,
-        spend: GpuTime,
+        self, context: _Context, group: str, prefix: str,
+        members: list[tuple[int, list[tuple[PartitionChoices, Partition]]]],
     ) -> None:
-        self.choices, self.partition = members[0]
-        self.stop, self.spend, self.gpu_s = stop, spend, 0.0
-        self.graph = analysis.label
-        self.indices = tuple(c.index for c, _ in members)
-        self.placements, self.table = analysis.placements[k], analysis.table
-        self.k, self.device, self.store, self.settings = k, device, store, settings
-        self.lower, self.communicators = lower, communicators
-        self.label = f"{analysis.label} p{self.choices.index} ({self.choices.key[:8]})"
-        # A real GPU runs a capped collective on a capped communicator, made by the team's
-        # ranks together when they first measure the cap (in the leader's order).
-        realisable = device.models_resources or communicators is not None
-        resources = self.choices.resources if realisable else (None,)
-        self.space = Space(
-            tuple(range(self.choices.launch_slots)), resources, device.search_clocks()
-        )
-        self.team = Team.of_group(
-            self.choices.group_name, f"kareus/profile/{prefix}/{self.choices.key}/k{k}",
-            settings.timeout_s, stop,
-        )
-        self.key = ProfileKey(
-            self.choices.key, device.identity, device.model_version, self.space.clocks,
-            self.team.group_size,
-        )
-        self._workloads: dict[tuple[int, int | None], tuple[Workload, str]] = {}
-        self.measured: dict[Config, Measurement] = {}
-        self.fresh = 0
+        self.context = context
+        self.team = Team.of_group(group, f"kareus/profile/{prefix}", context.settings.timeout_s,
+                                  context.stop, decode=_decode)
+        self.searches = [_Search(context, k, parts, self.team.group_size) for k, parts in members]
+        self.step = 0
+        self._clock: int | None = None
 
-    def run(self, progress: Progress | None) -> PartitionProfile:
-        """The profile, or one with the error where the search failed on any rank (a
-        device, a workload that cannot be built, the store, a rank that timed out): the
-        graph then compiles without it."""
+    def run(self, progress: Progress | None) -> list[PartitionProfile]:
+        """The profiles, or ones with the error where the schedule failed on any rank (a
+        device, the store, a rank that timed out): the graph then compiles without them.
+        A search whose variant cannot be built fails alone."""
         try:
             try:
-                self.device.probe_counter(self.store)
+                self.context.device.probe_counter(self.context.store)
                 if self.team.leads:
-                    result = self._lead(progress)
+                    self._lead(progress)
             except BaseException as exc:
                 self.team.abort(f"rank {self.team.rank} failed: {type(exc).__name__}: {exc}")
                 raise
             if not self.team.leads:
-                result, self.measured = self.team.follow(self._measure_here)
+                outcomes = self.team.follow(self._measure_here, self._measure_round_here)
+                for search, outcome in zip(self.searches, outcomes, strict=True):
+                    search.adopt(outcome)
         except (ProfilingAborted, ValueError, RuntimeError, TypeError, OSError) as exc:
             reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            self.spend.warn(self.label, f"not profiled: {reason}")
-            return self._profile(None, error=reason)
-        return self._profile(result)
+            for search in self.searches:
+                if search.error is None and search.result is None:
+                    search.fail(reason)
+        return [search.profile() for search in self.searches]
 
-    def _lead(self, progress: Progress | None) -> SearchResult:
-        grid = self.settings.strategy == "grid"
-        search_id = json.dumps({
-            "nanobatches": self.k, "slots": self.space.slots, "resources": self.space.resources,
-            **({"strategy": "grid"} if grid else
-               {"budget": self.settings.budget, "seed": self.settings.seed}),
-        })
-        if self.settings.mode == "auto" and (replayed := self._replay(search_id)) is not None:
-            self.team.finish(0, replayed, self.measured)
-            return replayed
-        points: list[Point] = []
+    def _lead(self, progress: Progress | None) -> None:
+        settings = self.context.settings
+        for search in self.searches:
+            search.replay()
+        active = [s for s in self.searches if s.result is None]
 
-        def evaluate(config: Config) -> Measurement:
-            check(self.stop)
-            knobs = self._knobs(config)
-            hit = None if self.settings.mode == "refresh" else self.store.lookup(self.key, knobs)
-            if hit is not None:
-                m = hit.measurement
-            else:
-                self.spend.check()
-                m = self.team.measure(self.fresh, config, self._measure_here)
-                self.fresh += 1
-                self.store.record(self.key, knobs, m, replace=self.settings.mode == "refresh")
-            self.measured[config] = m
-            points.append(Point.of(config, m))
+        def measure(clock: int, batch: list[tuple[int, Config]]) -> list[Measurement]:
+            return self._round(clock, [Tagged(self.searches.index(active[i]), config)
+                                       for i, config in batch])
+
+        def after(index: int) -> None:
+            search = active[index]
             if progress is not None:
-                total = self.space.size if grid else min(self.settings.budget, self.space.size)
-                progress(self.label, len(points), total, points)
-            return m
+                grid = settings.strategy == "grid"
+                total = (search.space.size if grid
+                         else min(settings.budget, search.space.size))
+                progress(search.label, len(search.searcher.points), total,
+                         list(search.searcher.points))
 
-        if grid:
-            result = SearchResult(exhaustive(self.space, evaluate), "exhausted")
-        else:
-            result = search(self.space, evaluate, budget=self.settings.budget,
-                            seed=self.settings.seed)
-        self.store.record_search(self.key, search_id, SearchRecord(
-            tuple(self._knobs(p.config) for p in result.points), result.stopped,
-            tuple(result.hypervolumes),
-        ))
-        self.team.finish(self.fresh, result, self.measured)
-        return result
+        if active:
+            results = lockstep(active, active[0].space.clocks, measure, after)
+            for search, result in zip(active, results, strict=True):
+                search.finished(result)
+        self.team.finish(self.step, [s.outcome() for s in self.searches])
 
-    def _replay(self, search_id: str) -> SearchResult | None:
-        """The finished search the store holds under ``search_id``, from its evaluations
-        (no surrogate refitted); None where there is none or an evaluation is missing."""
-        record = self.store.search(self.key, search_id)
-        if record is None:
-            return None
-        points = []
-        for knobs in record.knobs:
-            hit = self.store.lookup(self.key, knobs)
-            if hit is None:
-                return None
-            sms = knobs.resources[0][1] if knobs.resources else None
-            config = Config(knobs.slot, sms, knobs.clock_mhz)
-            self.measured[config] = hit.measurement
-            points.append(Point.of(config, hit.measurement))
-        return SearchResult(points, record.stopped, list(record.hypervolumes))
+    def _round(self, clock: int, batch: list[Tagged]) -> list[Measurement]:
+        """One round at ``clock``: what the store holds read back, the rest measured by
+        the team together; every answer committed to the store at once."""
+        store, settings = self.context.store, self.context.settings
+        found: list[Measurement | None] = []
+        for tagged in batch:
+            search = self.searches[tagged.search]
+            hit = (None if settings.mode == "refresh"
+                   else store.lookup(search.key, search.knobs(tagged.config)))
+            found.append(hit.measurement if hit is not None else None)
+        missing = [i for i, m in enumerate(found) if m is None]
+        if missing:
+            check(self.context.stop)
+            self.context.spend.check()
+            measured = self.team.measure_batch(self.step, [batch[i] for i in missing],
+                                               self._measure_round_here)
+            self.step += 1
+            for i, m in zip(missing, measured, strict=True):
+                search = self.searches[batch[i].search]
+                found[i] = m
+                search.fresh += 1
+                store.record(search.key, search.knobs(batch[i].config), m,
+                             replace=settings.mode == "refresh")
+        answers = [m for m in found if m is not None]
+        for tagged, m in zip(batch, answers, strict=True):
+            self.searches[tagged.search].measured[tagged.config] = m
+        return answers
 
-    def _measure_here(self, config: Config, agree: Callable[[int], int] | None) -> Measurement:
-        modelled = self.device.models_resources and config.sms is not None
-        workload, collective = self._workload(config.slot, None if modelled else config.sms)
-        return measure_variant(
-            self.device, replace(workload, agree=agree), config.clock_mhz,
-            resources={collective: config.sms} if modelled else None,
-            protocol=self.settings.protocol, stop=self.stop, spent=self._spent,
+    def _measure_here(self, tagged: Tagged, agree: Callable[[int], int] | None) -> Measurement:
+        return self._measure_round_here([tagged], agree)[0]
+
+    def _measure_round_here(
+        self, batch: list[Tagged], agree: Callable[[int], int] | None
+    ) -> list[Measurement]:
+        """``batch`` (one clock) on this rank's GPU, together."""
+        (clock,) = {tagged.config.clock_mhz for tagged in batch}
+        switched, self._clock = clock != self._clock, clock
+        variants = [self.searches[t.search].variant(t.config) for t in batch]
+
+        def spent(seconds: float) -> None:
+            for tagged in batch:
+                self.searches[tagged.search].spent(seconds / len(batch))
+
+        return measure_batch(
+            self.context.device, [workload for workload, _ in variants], clock, agree=agree,
+            resources=[resources for _, resources in variants],
+            protocol=self.context.settings.protocol, switched=switched,
+            stop=self.context.stop, spent=spent,
         )
 
-    def _spent(self, seconds: float) -> None:
+
+class _Search:
+    """One distinct partition's search at one nanobatch count, in a schedule."""
+
+    def __init__(
+        self, context: _Context, k: int, members: list[tuple[PartitionChoices, Partition]],
+        group_size: int,
+    ) -> None:
+        analysis, settings, device = context.analysis, context.settings, context.device
+        self.context, self.k, self.group_size = context, k, group_size
+        self.choices, self.partition = members[0]
+        self.gpu_s, self.fresh = 0.0, 0
+        self.graph = analysis.label
+        self.indices = tuple(c.index for c, _ in members)
+        self.placements, self.table = analysis.placements[k], analysis.table
+        self.label = f"{analysis.label} p{self.choices.index} ({self.choices.key[:8]})"
+        # A real GPU runs a capped collective on a capped communicator, made by the team's
+        # ranks together when they first measure the cap (in the leader's order).
+        realisable = device.models_resources or context.communicators is not None
+        resources = self.choices.resources if realisable else (None,)
+        self.space = Space(
+            tuple(range(self.choices.launch_slots)), resources, device.search_clocks()
+        )
+        self.key = ProfileKey(self.choices.key, device.identity, device.model_version,
+                              self.space.clocks, group_size)
+        self.grid = settings.strategy == "grid"
+        self.search_id = json.dumps({
+            "nanobatches": k, "slots": self.space.slots, "resources": self.space.resources,
+            **({"strategy": "grid"} if self.grid else
+               {"budget": settings.budget, "seed": settings.seed}),
+        })
+        self.searcher: Searcher = (
+            GridSearch(self.space) if self.grid else
+            ClockSearch(self.space, budget=settings.budget, seed=settings.seed)
+        )
+        self._workloads: dict[tuple[int, int | None], tuple[Workload, str]] = {}
+        self.measured: dict[Config, Measurement] = {}
+        self.result: SearchResult | None = None
+        self.error: str | None = None
+
+    def replay(self) -> None:
+        """Take the finished search the store holds (mode "auto"; its evaluations read
+        back, no surrogate refitted), where it holds one with every evaluation."""
+        if self.context.settings.mode != "auto":
+            return
+        store = self.context.store
+        record = store.search(self.key, self.search_id)
+        if record is None:
+            return
+        measured, points = {}, []
+        for knobs in record.knobs:
+            hit = store.lookup(self.key, knobs)
+            if hit is None:
+                return
+            sms = knobs.resources[0][1] if knobs.resources else None
+            config = Config(knobs.slot, sms, knobs.clock_mhz)
+            measured[config] = hit.measurement
+            points.append(Point.of(config, hit.measurement))
+        self.measured = measured
+        self.result = SearchResult(points, record.stopped, list(record.hypervolumes))
+
+    # -- the searcher, as the leader's schedule asks it (``search.Searcher``) ------------
+
+    @property
+    def done(self) -> bool:
+        return self.error is not None or self.searcher.done
+
+    def propose(self, clock: int) -> list[Config]:
+        """The searcher's proposal, where each of its variants builds on this rank (the
+        leader's, before it posts a round); one that does not gives this search up alone,
+        with why."""
+        configs = self.searcher.propose(clock)
+        try:
+            for config in configs:
+                self._workload(config.slot)
+        except (ValueError, RuntimeError, TypeError) as exc:
+            self.fail(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            return []
+        return configs
+
+    def tell(self, points: Sequence[Point]) -> None:
+        self.searcher.tell(points)
+
+    def finish(self) -> SearchResult:
+        return self.searcher.finish()
+
+    def finished(self, result: SearchResult) -> None:
+        """The search's end on the leader: its record stored."""
+        if self.error is not None:
+            return
+        self.result = result
+        self.context.store.record_search(self.key, self.search_id, SearchRecord(
+            tuple(self.knobs(p.config) for p in result.points), result.stopped,
+            tuple(result.hypervolumes),
+        ))
+
+    def outcome(self) -> tuple[SearchResult, dict[Config, Measurement]] | str:
+        """What the leader posts of this search: its result, or why it failed."""
+        if self.error is not None:
+            return self.error
+        assert self.result is not None
+        return self.result, self.measured
+
+    def adopt(self, outcome: tuple[SearchResult, dict[Any, Measurement]] | str) -> None:
+        """What a follower takes from the leader's post."""
+        if isinstance(outcome, str):
+            self.fail(outcome)
+        else:
+            self.result, self.measured = outcome
+
+    def fail(self, reason: str) -> None:
+        self.error = reason
+        self.context.spend.warn(self.label, f"not profiled: {reason}")
+
+    def spent(self, seconds: float) -> None:
         self.gpu_s += seconds
-        self.spend.charge(self.graph, seconds)
+        self.context.spend.charge(self.graph, seconds)
+
+    def variant(self, config: Config) -> tuple[Workload, Resources | None]:
+        """The workload measuring ``config`` runs and the SM caps a modelling device
+        applies to it (a real GPU's cap is its collective's communicator)."""
+        modelled = self.context.device.models_resources and config.sms is not None
+        workload, collective = self._workload(config.slot, None if modelled else config.sms)
+        return workload, {collective: config.sms} if modelled else None
 
     def _workload(self, slot: int, cap: int | None = None) -> tuple[Workload, str]:
         """The variant at ``slot``, its collective on a communicator capped to ``cap`` CTAs
@@ -308,27 +456,29 @@ class _Search:
         if (slot, cap) not in self._workloads:
             group = None
             if cap is not None:
-                assert self.communicators is not None  # no cap is searched without them
-                group = self.communicators.capped(self.choices.group_name, cap)
+                communicators = self.context.communicators
+                assert communicators is not None  # no cap is searched without them
+                group = communicators.capped(self.choices.group_name, cap)
             workload = partition_workload(
                 self.partition, self.placements, self.k, slot, group_name=group,
-                world_size=self.team.group_size, lower=self.lower, table=self.table,
+                world_size=self.group_size, lower=self.context.lower, table=self.table,
             )
             (collective,) = (c.name for c in find_collectives(workload.gm.graph))
             self._workloads[slot, cap] = workload, collective
         return self._workloads[slot, cap]
 
-    def _knobs(self, config: Config) -> Knobs:
+    def knobs(self, config: Config) -> Knobs:
         resources = {} if config.sms is None else {self._workload(config.slot)[1]: config.sms}
         return Knobs(config.slot, resources, config.clock_mhz, self.k)
 
-    def _profile(self, result: SearchResult | None, error: str | None = None) -> PartitionProfile:
+    def profile(self) -> PartitionProfile:
         def records(points: list[Point]) -> tuple[ProfilePoint, ...]:
             return tuple(
-                ProfilePoint(self._knobs(p.config), p.time_s, p.energy_j, p.effective_energy_j)
+                ProfilePoint(self.knobs(p.config), p.time_s, p.energy_j, p.effective_energy_j)
                 for p in points
             )
 
+        result = self.result if self.error is None else None
         points = result.points if result is not None else []
         return PartitionProfile(
             key=self.choices.key,
@@ -341,10 +491,10 @@ class _Search:
             stopped=result.stopped if result is not None else "failed",
             frontier=records(pareto(points)),
             effective_frontier=records(pareto(points, lambda p: p.effective_energy_j)),
-            device=self.device.identity,
-            model_version=self.device.model_version,
-            error=error,
+            device=self.context.device.identity,
+            model_version=self.context.device.model_version,
+            error=self.error,
             points=records(points),
-            group_size=self.team.group_size,
+            group_size=self.group_size,
             gpu_s=self.gpu_s,
         )

@@ -36,6 +36,7 @@ import random
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kareus.devices.base import Measurement
 from kareus.errors import KareusError
@@ -180,6 +181,8 @@ class SearchResult:
     points: list[Point]  # in measurement order
     stopped: str  # "budget", "exhausted" or "converged"
     hypervolumes: list[float] = field(default_factory=list)  # after each evaluation
+    rounds: list[int] = field(default_factory=list)
+    """How many points each round measured together (one clock each), in order."""
 
     @property
     def frontier(self) -> list[Point]:
@@ -196,6 +199,80 @@ class SearchResult:
 # each for total and for effective energy (DESIGN.md s5: several, sharing measurements).
 WEIGHTS = (0.5, 0.1, 0.9, 0.3, 0.7)
 
+WIDTH = 4
+"""The most measured schedules a clock step adds at one clock: a round measures its clock's
+most promising unmeasured points together (one clock setting, one multiplexed batch)."""
+
+MAX_CANDIDATES = 1000
+"""The most unmeasured schedules the surrogate scores at one clock (drawn where more)."""
+
+LCB_KAPPA = 1.96
+"""Weight of the surrogate's uncertainty in its score (skopt's default lower bound)."""
+
+
+def sweep(clocks: Sequence[int]) -> list[int]:
+    """``clocks`` coarse to fine: the highest, the lowest, then the middle of each gap,
+    widest first (breadth-first bisection), so every curve is bracketed early and the
+    clocks a pass reaches last are those its neighbours predict best."""
+    n = len(clocks)
+    order = [0, n - 1] if n > 1 else [0]
+    gaps = [(0, n - 1)]
+    while gaps:
+        low, high = gaps.pop(0)
+        if high - low > 1:
+            middle = (low + high) // 2
+            order.append(middle)
+            gaps += [(low, middle), (middle, high)]
+    return [clocks[i] for i in order]
+
+
+class Searcher(Protocol):
+    """A search asked, one clock at a time, what it would measure at that clock: what a
+    schedule of many searches (``lockstep``) measures together, one clock setting each."""
+
+    @property
+    def done(self) -> bool: ...
+
+    def propose(self, clock: int) -> list[Config]:
+        """What to measure at ``clock`` now (all at that clock; none: nothing there)."""
+
+    def tell(self, points: Sequence[Point]) -> None:
+        """The measurements of the last proposal, in its order."""
+
+    def finish(self) -> SearchResult:
+        """The result (once nothing more is proposed at any clock)."""
+
+
+MeasureRound = Callable[[int, list[tuple[int, Config]]], list[Measurement]]
+"""Measures, at one clock, configurations of several searches (their index in the
+schedule, the configuration) together, one measurement each in their order."""
+
+
+def lockstep(searches: Sequence[Searcher], clocks: Sequence[int], measure: MeasureRound,
+             after: Callable[[int], None] = lambda index: None) -> list[SearchResult]:
+    """Run ``searches`` side by side through passes of ``sweep(clocks)``: at each clock,
+    what every search proposes is measured in one round, until no search proposes anything
+    in a whole pass. A search's proposals depend on its own measurements only, so each
+    measures what it would alone, while the GPU changes its clock once a round rather than
+    once a point. ``after`` is told each search that took part in a round."""
+    order = sweep(clocks)
+    while not all(s.done for s in searches):
+        proposed = False
+        for clock in order:
+            batch = [(i, config) for i, s in enumerate(searches) if not s.done
+                     for config in s.propose(clock)]
+            if not batch:
+                continue
+            proposed = True
+            measured = measure(clock, batch)
+            for i in dict.fromkeys(i for i, _ in batch):
+                searches[i].tell([Point.of(config, m) for (j, config), m
+                                  in zip(batch, measured, strict=True) if j == i])
+                after(i)
+        if not proposed:
+            break
+    return [s.finish() for s in searches]
+
 
 def search(
     space: Space,
@@ -208,70 +285,159 @@ def search(
     tolerance: float = 1e-3,
 ) -> SearchResult:
     """Measure up to ``budget`` configurations of ``space`` through ``evaluate`` and return
-    them with their frontiers; no configuration is measured twice."""
-    if budget < 1:
-        raise SearchBudgetError(f"search budget must be at least 1, got {budget}")
-    if len(space.clocks) > MAX_SEARCH_CLOCKS:
-        raise SearchSpaceError(
-            f"search space: {len(space.clocks):,} clocks; a search takes at most "
-            f"{MAX_SEARCH_CLOCKS:,} (search fewer, or in coarser steps)"
-        )
-    rng = random.Random(seed)
-    points: list[Point] = []
-    seen: set[Config] = set()
-    result = SearchResult(points, "exhausted")
-
-    def measure(config: Config) -> None:
-        seen.add(config)
-        points.append(Point.of(config, evaluate(config)))
-
-    # The start does not depend on the budget, so a shorter budget measures a prefix.
-    for config in _start(space, rng, initial)[:budget]:
-        measure(config)
-    reference = reference_point(points)
-    references = {energy: reference_point(points, energy) for energy in (ENERGY, EFFECTIVE)}
-    best, stale = hypervolume(points, reference), 0
-    result.hypervolumes = [best] * len(points)
-    passes = itertools.cycle(itertools.product(WEIGHTS, (ENERGY, EFFECTIVE)))
-    while len(points) < min(budget, space.size):
-        config = _clock_step(space, points, seen, references, tolerance)
-        if config is None:
-            weight, energy = next(passes)
-            config = _propose(space, points, seen, weight, energy, rng, seed + len(points))
-        measure(config)
-        volume = hypervolume(points, reference)
-        result.hypervolumes.append(volume)
-        if volume > best * (1 + tolerance):
-            best, stale = volume, 0
-        else:
-            stale += 1
-            if stale >= patience:
-                result.stopped = "converged"
-                return result
-    result.stopped = "exhausted" if len(points) == space.size else "budget"
+    them with their frontiers; no configuration is measured twice. One ``ClockSearch``
+    alone: what it measures in a schedule of many."""
+    alone = ClockSearch(space, budget=budget, seed=seed, initial=initial, patience=patience,
+                        tolerance=tolerance)
+    (result,) = lockstep([alone], space.clocks,
+                         lambda clock, batch: [evaluate(config) for _, config in batch])
     return result
+
+
+class ClockSearch:
+    """One partition's search, a clock at a time (see the module docstring).
+
+    The start is the default schedule and ``initial - 2`` drawn ones at the highest clock,
+    and the default schedule at the lowest. At every later clock it proposes the measured
+    schedules whose predicted point there adds the most hypervolume (a clock step, up to
+    ``WIDTH``), or, where no clock step is worth it, the schedule the surrogate of the
+    next scalarisation scores best there (exploration; the ``WIDTH`` best after the first
+    pass over the clocks, so that later passes take few rounds). It stops at ``budget`` (the last
+    round cut short: a shorter budget measures a prefix), when the grid is exhausted, or
+    when the hypervolume has not improved for ``patience`` evaluations at the end of a
+    round."""
+
+    def __init__(
+        self, space: Space, *, budget: int = 32, seed: int = 0, initial: int = 6,
+        patience: int = 8, tolerance: float = 1e-3,
+    ) -> None:
+        if budget < 1:
+            raise SearchBudgetError(f"search budget must be at least 1, got {budget}")
+        if len(space.clocks) > MAX_SEARCH_CLOCKS:
+            raise SearchSpaceError(
+                f"search space: {len(space.clocks):,} clocks; a search takes at most "
+                f"{MAX_SEARCH_CLOCKS:,} (search fewer, or in coarser steps)"
+            )
+        self.space, self.budget, self.seed = space, budget, seed
+        self.patience, self.tolerance = patience, tolerance
+        self.rng = random.Random(seed)
+        self.points: list[Point] = []
+        self.seen: set[Config] = set()
+        self.hypervolumes: list[float] = []
+        self.stopped: str | None = None
+        self.rounds: list[int] = []
+        self.start = _start(space, self.rng, initial)
+        self.references: dict[Objective, tuple[float, float]] = {}
+        self.best, self.stale = 0.0, 0
+        self.passes = itertools.cycle(itertools.product(WEIGHTS, (ENERGY, EFFECTIVE)))
+        self.asked = 0  # rounds proposed for: a pass is one per clock
+
+    @property
+    def done(self) -> bool:
+        return self.stopped is not None
+
+    def propose(self, clock: int) -> list[Config]:
+        room = min(self.budget, self.space.size) - len(self.points)
+        if self.done or room <= 0:
+            return []
+        first_pass = self.asked < len(self.space.clocks)
+        self.asked += 1
+        if not self.references:
+            return [c for c in self.start if c.clock_mhz == clock][:room]
+        picks = _clock_picks(self.points, self.seen, self.references, self.tolerance, clock)
+        if picks:
+            return picks[:room]
+        weight, energy = next(self.passes)
+        return _explore(self.space, self.points, self.seen, weight, energy, clock, self.rng,
+                        self.seed + len(self.points), 1 if first_pass else WIDTH)[:room]
+
+    def tell(self, points: Sequence[Point]) -> None:
+        for p in points:
+            self.seen.add(p.config)
+            self.points.append(p)
+        self.rounds.append(len(points))
+        if not self.references:
+            if self.seen.issuperset(self.start):  # the start measured: scores begin
+                self.references = {e: reference_point(self.points, e) for e in (ENERGY, EFFECTIVE)}
+                self.best = hypervolume(self.points, self.references[ENERGY])
+                self.hypervolumes = [self.best] * len(self.points)
+        else:
+            for n in range(len(self.points) - len(points), len(self.points)):
+                volume = hypervolume(self.points[: n + 1], self.references[ENERGY])
+                self.hypervolumes.append(volume)
+                if volume > self.best * (1 + self.tolerance):
+                    self.best, self.stale = volume, 0
+                else:
+                    self.stale += 1
+            if self.stale >= self.patience:
+                self.stopped = "converged"
+        if len(self.points) == self.space.size:
+            self.stopped = "exhausted"
+        elif len(self.points) >= self.budget:
+            self.stopped = "budget"
+
+    def finish(self) -> SearchResult:
+        if self.stopped is None:  # a pass proposed nothing more
+            self.stopped = "converged"
+        if len(self.hypervolumes) < len(self.points):  # the start never completed
+            self.hypervolumes = [0.0] * len(self.points)
+        return SearchResult(self.points, self.stopped, self.hypervolumes, self.rounds)
+
+
+class GridSearch:
+    """Every configuration, a clock at a time: the exhaustive ground truth in a schedule
+    (a ``SearchSpaceError`` beyond ``MAX_EXHAUSTIVE`` of them)."""
+
+    def __init__(self, space: Space) -> None:
+        self.space = _exhaustible(space)
+        self.points: list[Point] = []
+        self.rounds: list[int] = []
+
+    @property
+    def done(self) -> bool:
+        return len(self.points) == self.space.size
+
+    def propose(self, clock: int) -> list[Config]:
+        measured = {p.config for p in self.points}
+        return [Config(slot, sms, clock)
+                for slot, sms in itertools.product(self.space.slots, self.space.resources)
+                if Config(slot, sms, clock) not in measured]
+
+    def tell(self, points: Sequence[Point]) -> None:
+        self.points += points
+        self.rounds.append(len(points))
+
+    def finish(self) -> SearchResult:
+        return SearchResult(self.points, "exhausted", rounds=self.rounds)
 
 
 def exhaustive(space: Space, evaluate: Callable[[Config], Measurement]) -> list[Point]:
     """Every configuration of ``space``: the ground truth the search is judged against (a
     ``SearchSpaceError`` beyond ``MAX_EXHAUSTIVE`` of them)."""
+    return [Point.of(config, evaluate(config)) for config in _exhaustible(space)]
+
+
+def _exhaustible(space: Space) -> Space:
     if space.size > MAX_EXHAUSTIVE:
         raise SearchSpaceError(
             f"search space: {space.size:,} configurations; an exhaustive run measures at "
             f"most {MAX_EXHAUSTIVE:,} (search it instead)"
         )
-    return [Point.of(config, evaluate(config)) for config in space]
+    return space
 
 
 def _start(space: Space, rng: random.Random, n: int) -> list[Config]:
-    """The default variant at the highest and lowest clocks, then seeded random picks:
-    indices drawn from the grid's size, so the grid is never listed."""
+    """The default schedule at the highest clock, then ``n - 2`` seeded drawn schedules
+    there, then the default schedule at the lowest clock (the first clock curve): schedule
+    indices drawn from their count, so the grid is never listed."""
     default = space.default
-    start = list(dict.fromkeys([default, Config(default.slot, default.sms, space.clocks[-1])]))
-    taken = {space.index(c) for c in start}
-    # n draws leave at least n - len(start) outside the start (or all of a smaller grid).
-    drawn = rng.sample(range(space.size), min(n, space.size))
-    return (start + [space.config(i) for i in drawn if i not in taken])[:n]
+    schedules = len(space.slots) * len(space.resources)
+    first = space.index(default) // len(space.clocks)
+    drawn = [i for i in rng.sample(range(schedules), min(max(n - 1, 0), schedules))
+             if i != first][: max(n - 2, 0)]
+    top = [space.config(i * len(space.clocks)) for i in drawn]
+    bottom = Config(default.slot, default.sms, space.clocks[-1])
+    return list(dict.fromkeys([default, *top, bottom]))[:max(n, 1)]
 
 
 Curve = dict[int, Point]  # one schedule's measured points by clock
@@ -353,28 +519,29 @@ def _floor(curve: Curve) -> int:
     )
 
 
-def _clock_step(
-    space: Space,
+def _clock_picks(
     points: list[Point],
     seen: set[Config],
     references: dict[Objective, tuple[float, float]],
     tolerance: float,
-) -> Config | None:
-    """The unmeasured clock of a measured schedule whose predicted point adds the most
-    hypervolume, relative and summed over total and effective energy; None where none adds
-    more than ``tolerance`` (a new schedule is worth more). A candidate must beat the best
-    so far by ``tolerance`` too: near-ties go to the earliest measured schedule."""
+    clock: int,
+) -> list[Config]:
+    """Up to ``WIDTH`` measured schedules unmeasured at ``clock`` whose predicted points
+    there add the most hypervolume, relative and summed over total and effective energy,
+    each scored with the picks before it on the fronts; only gains above ``tolerance``
+    (else a new schedule is worth more), and a pick must beat the best so far by
+    ``tolerance`` too: near-ties go to the earliest measured schedule."""
     curves = _curves(points)
     fronts = {energy: pareto(points, energy) for energy in references}
-    volumes = {energy: hypervolume(fronts[energy], ref, energy)
-               for energy, ref in references.items()}
-    best: Config | None = None
-    best_gain = 0.0
-    for (slot, sms), curve in curves.items():
-        floor = _floor(curve)
-        for clock in space.clocks:
+    picks: list[Config] = []
+    while len(picks) < WIDTH:
+        volumes = {energy: hypervolume(fronts[energy], ref, energy)
+                   for energy, ref in references.items()}
+        best: tuple[Config, Point] | None = None
+        best_gain = 0.0
+        for (slot, sms), curve in curves.items():
             config = Config(slot, sms, clock)
-            if config in seen or clock < floor:
+            if config in seen or config in picks or clock < _floor(curve):
                 continue
             guess = _predict(curves, config)
             if guess is None:
@@ -384,8 +551,12 @@ def _clock_step(
                 for e, ref in references.items() if volumes[e] > 0
             )
             if gain > best_gain + tolerance:
-                best, best_gain = config, gain
-    return best
+                best, best_gain = (config, guess), gain
+        if best is None:
+            break
+        picks.append(best[0])
+        fronts = {e: pareto([*front, best[1]], e) for e, front in fronts.items()}
+    return picks
 
 
 def _encode(space: Space, config: Config) -> list[int]:
@@ -397,20 +568,33 @@ def _encode(space: Space, config: Config) -> list[int]:
     ]
 
 
-def _propose(
+def _explore(
     space: Space,
     points: list[Point],
     seen: set[Config],
     weight: float,
     energy: Objective,
+    clock: int,
     rng: random.Random,
     seed: int,
-) -> Config:
-    """The next configuration by a Gaussian-process surrogate of one scalarisation, told
-    every measurement; a random unmeasured one where the surrogate repeats itself."""
+    count: int = 1,
+) -> list[Config]:
+    """The ``count`` unmeasured configurations at ``clock`` that a Gaussian-process
+    surrogate of one scalarisation, told every measurement, scores best (lower confidence
+    bound), best first; fewer where fewer schedules are unmeasured there."""
     from skopt import Optimizer
     from skopt.space import Categorical, Integer
 
+    schedules = len(space.slots) * len(space.resources)
+    drawn = (range(schedules) if schedules <= MAX_CANDIDATES
+             else sorted(rng.sample(range(schedules), MAX_CANDIDATES)))
+    candidates = [
+        c for i in drawn
+        if (c := Config(space.slots[i // len(space.resources)],
+                        space.resources[i % len(space.resources)], clock)) not in seen
+    ]
+    if not candidates:
+        return []
     times = [p.time_s for p in points]
     energies = [energy(p) for p in points]
 
@@ -424,26 +608,15 @@ def _propose(
         Integer(0, len(choices) - 1) if len(choices) > 1 else Categorical([0])
         for choices in (space.slots, space.resources, space.clocks)
     ]
-    optimizer = Optimizer(
-        dims, base_estimator="GP", n_initial_points=0, random_state=seed,
-        acq_optimizer="sampling", acq_optimizer_kwargs={"n_points": min(space.size, 1000)},
-    )
+    optimizer = Optimizer(dims, base_estimator="GP", n_initial_points=0, random_state=seed,
+                          acq_optimizer="sampling", acq_optimizer_kwargs={"n_points": 1})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # sklearn convergence chatter on tiny data
         optimizer.tell([_encode(space, p.config) for p in points], ys)
-        slot, sms, clock = optimizer.ask()
-    config = Config(space.slots[slot], space.ordered_resources[sms], space.clocks[clock])
-    if config not in seen:
-        return config
-    return _unmeasured(space, seen, rng)
-
-
-def _unmeasured(space: Space, seen: set[Config], rng: random.Random) -> Config:
-    """A uniformly drawn configuration outside ``seen``: the draw's rank among the
-    unmeasured ones, stepped past each measured index at or below it (the grid unlisted)."""
-    index = rng.randrange(space.size - len(seen))
-    for measured in sorted(space.index(c) for c in seen):
-        if measured > index:
-            break
-        index += 1
-    return space.config(index)
+        model = optimizer.models[-1]
+        mean, std = model.predict(
+            optimizer.space.transform([_encode(space, c) for c in candidates]), return_std=True
+        )
+    scores = mean - LCB_KAPPA * std
+    best = sorted(range(len(candidates)), key=lambda i: (scores[i], i))[:count]
+    return [candidates[i] for i in best]

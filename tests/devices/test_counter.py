@@ -188,8 +188,10 @@ def test_the_probe_finds_a_lagging_noisy_integrating_counter_and_sets_nothing() 
     assert behaviour.update_period_s == pytest.approx(0.05, rel=0.1)
     assert behaviour.integrates
     assert behaviour.gpu == "NVIDIA A100-SXM4-40GB" and behaviour.driver == "550.54.15"
-    # 100 mJ an update, and the power's own jitter on a loaded host: ~20% from 12 updates
-    assert behaviour.update_noise_mj == pytest.approx(100.0, rel=0.5)
+    # 100 mJ an update, known to ~20% from 12 updates, and on this real clock the fake
+    # power's own jitter (how much of each update the host let the spin run) on top: only
+    # the floor is the counter's (the fake clock's test pins the noise itself)
+    assert behaviour.update_noise_mj is not None and behaviour.update_noise_mj > 50.0
     assert behaviour.probe_s < 9.0
     assert fake.setter_calls() == []
 

@@ -33,7 +33,7 @@ from kareus.devices.nvml.multiplex import (
     MultiplexPolicyError,
     Tick,
     TickRecorder,
-    first_blocks,
+    first_round,
     fit_at,
     more_blocks,
     multiplex,
@@ -161,11 +161,16 @@ def test_blocks_are_added_as_the_error_asks_up_to_the_cap() -> None:
     assert more_blocks(0.015, 2, policy) == 3  # 2 * 1.5^2 = 4.5 -> 5 in all
     assert more_blocks(math.inf, 2, policy) == 2  # unknown: as many again
     assert more_blocks(0.1, 2, policy) == 6  # capped at 8 in all
-    assert first_blocks(5, None, policy) == 1
-    assert first_blocks(5, 0.1, policy) == 2  # 15 updates over 5 blocks of 150 ms
-    # one variant: 11 updates (8 blocks) to tell the noise, 5 (4 blocks) where it is known
-    assert first_blocks(1, 0.1, DEFAULT_POLICY) == 8
-    assert first_blocks(1, 0.1, DEFAULT_POLICY, noise_known=True) == 4
+    assert first_round(5, None, policy) == (1, 0.15)
+    assert first_round(5, 0.1, policy) == (2, 0.15)  # 15 updates: 2 blocks of 150 ms each
+    # one variant: 11 updates to tell the noise, 5 where it is known; blocks stretched
+    # towards 200 ms to span just them
+    assert first_round(1, 0.1, DEFAULT_POLICY) == (6, pytest.approx(1.1 / 6))
+    assert first_round(1, 0.1, DEFAULT_POLICY, noise_known=True) == (3, pytest.approx(0.5 / 3))
+    # four variants: 8 updates, one block of 200 ms each rather than two of 150
+    assert first_round(4, 0.1, DEFAULT_POLICY, noise_known=True) == (1, pytest.approx(0.2))
+    with pytest.raises(MultiplexPolicyError, match="max_block_s must be at least block_s"):
+        MultiplexPolicy(max_block_s=0.1)
     with pytest.raises(MultiplexPolicyError, match="max_rounds must be at least 1"):
         MultiplexPolicy(max_rounds=0)
 
@@ -256,11 +261,11 @@ def test_a_drifting_control_is_reported(caplog: pytest.LogCaptureFixture) -> Non
     runs = variants(timeline)
     control = runs[0]
     policy = MultiplexPolicy(max_error=1e-4, max_rounds=2, max_blocks=5)
-    first_round = first_blocks(len(runs), 0.1, policy)
+    first, _ = first_round(len(runs), 0.1, policy)
     sizes: list[int] = []
 
     def warming() -> None:
-        if sizes and control.runs > first_round * sizes[0]:  # warm-up and round 1 done
+        if sizes and control.runs > first * sizes[0]:  # warm-up and round 1 done
             control.fraction = 1.0
         control()
 
@@ -375,8 +380,8 @@ def test_a_lone_variant_on_a_counter_of_known_noise_takes_half_the_blocks() -> N
         (m,) = gpu.measure_batch(workloads([run]), MHZ)
     assert m.method == "nvml-multiplexed" and 0 < m.details["error"] < 0.5
     assert m.energy_j == pytest.approx(run.true_energy_j(m.time_s), rel=0.02)
-    # the first round's 4 blocks (8 without the noise), and more only if the error asks
-    assert m.details["blocks"] == 4 or m.details["rounds"] > 1
+    # the first round's 3 blocks (6 without the noise), and more only if the error asks
+    assert m.details["blocks"] == 3 or m.details["rounds"] > 1
 
 
 def test_a_sampling_counter_falls_back_to_long_windows() -> None:
@@ -415,6 +420,37 @@ def test_the_counter_behaviour_comes_from_the_cache_without_probing() -> None:
     with device(FakeNvml()) as gpu:
         assert gpu.counter_behaviour(cache) == known
         assert gpu.counter_behaviour() is gpu.counter_behaviour()  # kept on the device
+
+
+def test_the_counter_is_probed_when_first_needed_and_kept_in_the_cache() -> None:
+    """On simulated time: the fake GPU busy as the probe's load spins, its counter noisy."""
+    clock = FakeClock()
+    timeline = BusyTimeline(clock)
+    gpu = FakeGpu(power_model=FakePowerModel.of(cpu_time=timeline.busy_until_now),
+                  counter_period_s=0.1, counter_noise_mj=50.0)
+    fake = FakeNvml([gpu], clock=clock)
+    loads: list[float] = []
+
+    def load(seconds: float) -> None:
+        loads.append(seconds)
+        timeline.spin(seconds)
+
+    cache = DictCache({})
+    with device(fake, timer=clock, sleep=timeline.idle, load=load) as nvml:
+        assert not loads  # opening probes nothing
+        opened_with = fake.setter_calls()  # the permission check's clock reset
+        nvml.probe_counter(cache)
+        probed = nvml.counter_behaviour()
+        assert loads and nvml.estimates_error
+        assert fake.setter_calls() == opened_with  # the probe sets nothing
+    assert probed.integrates and probed.update_period_s == pytest.approx(0.1, rel=0.01)
+    assert probed.update_noise_mj == pytest.approx(50.0, rel=0.5)
+    assert probed.gpu == gpu.name
+    assert CounterBehaviour.from_json(cache.stored[gpu.name, probed.driver]) == probed
+    loads.clear()
+    with device(fake, timer=clock, sleep=timeline.idle, load=load) as again:
+        again.probe_counter(cache)
+        assert again.counter_behaviour() == probed and not loads  # read back, not probed
 
 
 def test_the_batch_seed_is_the_same_in_every_process() -> None:

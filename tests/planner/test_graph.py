@@ -20,7 +20,7 @@ def planned(fake_pg, tmp_path):
     gpu = SimulatedGPU("sim:a100-sxm4-40gb")
     clocks = gpu.search_clocks()
     with ProfileStore(cache_dir=tmp_path) as store:
-        profiles = profile_graph(analysis, 2, gpu, store, Settings(budget=10), prefix="fw")
+        profiles = profile_graph(analysis, (2,), gpu, store, Settings(budget=10), prefix="fw")
     costed = []
 
     def cost(variant, at):

@@ -110,7 +110,8 @@ def test_a_spent_profiling_budget_stops_measuring_and_the_graphs_run_unplanned(
     assert len(spent) > 1  # every partition and graph after the budget says why...
     assert [r.levelno for r in spent].count(logging.WARNING) == 1  # ...and one warns
     assert backend.planner.plan is None  # nothing planned
-    assert 2 <= backend.spend.total_s < 3 and not measured
+    # the round in progress when the budget ran out finishes: here the first, 4 GPU-s
+    assert 2 <= backend.spend.total_s < 5 and not measured
     notes = [n for r in backend.reports() for n in r.notes]
     assert any("not planned: measuring the whole graph failed: ProfileBudgetSpent: the "
                "profiling budget of 2 GPU-s is spent" in n for n in notes)

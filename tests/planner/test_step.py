@@ -51,13 +51,13 @@ def _train(options, steps=2, batch=8, backend=None):
 @pytest.fixture
 def counted(monkeypatch):
     calls = []
-    measure = profiling.measure_variant
+    measure = profiling.measure_batch
 
-    def counting(*args, **kwargs):
-        calls.append(args[2])
-        return measure(*args, **kwargs)
+    def counting(device, workloads, clock_mhz, **kwargs):
+        calls.extend([clock_mhz] * len(workloads))
+        return measure(device, workloads, clock_mhz, **kwargs)
 
-    monkeypatch.setattr(profiling, "measure_variant", counting)
+    monkeypatch.setattr(profiling, "measure_batch", counting)
     return calls
 
 

@@ -56,10 +56,10 @@ def run_group(ranks, store, *, prefix="p", timeout_s=10.0, delay=None, fail=None
                 except BaseException as exc:
                     team.abort(f"leader failed: {exc}")
                     raise
-                team.finish(step, result, measured)
+                team.finish(step, [(result, measured)])
                 outcome[rank] = (result, measured)
             else:
-                outcome[rank] = team.follow(measure_here)
+                (outcome[rank],) = team.follow(measure_here)
         except Exception as exc:  # noqa: BLE001 - the test inspects it
             outcome[rank] = exc
 

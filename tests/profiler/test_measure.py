@@ -5,7 +5,7 @@ import pytest
 
 from kareus.devices import SimulatedGPU
 from kareus.devices.base import Device, Measurement, RecordingClockController, Workload
-from kareus.devices.nvml.multiplex import DEFAULT_POLICY, first_blocks
+from kareus.devices.nvml.multiplex import DEFAULT_POLICY, first_round
 from kareus.profiler.measure import Protocol, group_measurement, measure_batch, measure_variant
 
 
@@ -120,23 +120,27 @@ def test_the_protocols_gpu_time_per_evaluation():
     # multiplexed: the settle where the clock changed, then a warm-up run and as many
     # 0.15 s blocks (a run, where longer) as the counter's updates need to state errors
     # (fewer where the probe measured the counter's noise, as on an integrating counter)
-    two, one = (first_blocks(n, 0.1, DEFAULT_POLICY, noise_known=True) for n in (2, 1))
+    (two, two_s), (one, one_s) = (first_round(n, 0.1, DEFAULT_POLICY, noise_known=True)
+                                  for n in (2, 1))
     assert two < one  # a batch shares the readings its error needs
+    # (and the waits for the counter's report: two updates of 100 ms on average)
     assert Protocol().seconds_per_batch([0.01, 0.3]) == pytest.approx(
-        0.1 + 0.01 + two * 0.15 + 0.3 + two * 0.3)
-    assert Protocol().seconds_per_batch([0.01], switched=False) == pytest.approx(0.01 + one * 0.15)
-    unknown = first_blocks(1, 0.1, DEFAULT_POLICY)
-    assert unknown > one
+        0.1 + 0.01 + two * two_s + 0.3 + two * 0.3 + 0.2)
+    assert Protocol().seconds_per_batch([0.01], switched=False) == pytest.approx(
+        0.01 + one * one_s + 0.2)
+    unknown, unknown_s = first_round(1, 0.1, DEFAULT_POLICY)
+    assert unknown * unknown_s > one * one_s
     assert Protocol().seconds_per_batch([0.01], switched=False, noise_known=False) == (
-        pytest.approx(0.01 + unknown * 0.15))
+        pytest.approx(0.01 + unknown * unknown_s + 0.2))
 
 
 def test_a_batch_is_measured_together_where_the_device_states_its_errors(monkeypatch):
     gpu = Scripted([(1.0, 10.0)] * 4)
     batches = []
     monkeypatch.setattr(type(gpu), "estimates_error", property(lambda self: True))
-    monkeypatch.setattr(gpu, "measure_batch", lambda ws, clock, agree=None: batches.append(
-        ([w.name for w in ws], clock)) or [Measurement(1.0, 2.0, 0.0, clock, "mux")] * len(ws))
+    monkeypatch.setattr(gpu, "measure_batch", lambda ws, clock, agree=None, caps=None: (
+        batches.append(([w.name for w in ws], clock))
+        or [Measurement(1.0, 2.0, 0.0, clock, "mux")] * len(ws)))
     spent = []
     found = measure_batch(gpu, [W, W], 1410, spent=spent.append)
     assert [m.method for m in found] == ["mux", "mux"] and batches == [([W.name] * 2, 1410)]

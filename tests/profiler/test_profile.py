@@ -26,13 +26,13 @@ GPU = "sim:a100-sxm4-40gb"
 def counted(monkeypatch):
     """Every measurement the profiler takes, as (workload, clock)."""
     calls = []
-    measure = profiling.measure_variant
+    measure = profiling.measure_batch
 
-    def counting(device, workload, clock_mhz, **kwargs):
-        calls.append((workload.name, clock_mhz))
-        return measure(device, workload, clock_mhz, **kwargs)
+    def counting(device, workloads, clock_mhz, **kwargs):
+        calls.extend((workload.name, clock_mhz) for workload in workloads)
+        return measure(device, workloads, clock_mhz, **kwargs)
 
-    monkeypatch.setattr(profiling, "measure_variant", counting)
+    monkeypatch.setattr(profiling, "measure_batch", counting)
     return calls
 
 
@@ -45,7 +45,7 @@ def _profile(graphs, store, **settings):
     gpu = SimulatedGPU(GPU)
     return [
         p for a in graphs
-        for p in profile_graph(a, 2, gpu, store, Settings(**settings), prefix=a.label)
+        for p in profile_graph(a, (2,), gpu, store, Settings(**settings), prefix=a.label)
     ]
 
 
@@ -107,29 +107,32 @@ def test_a_search_cut_short_resumes_from_the_store(graphs, tmp_path, counted, mo
     total = len(counted)
     resumed_dir = tmp_path / "crash"
     with ProfileStore(cache_dir=resumed_dir) as store:
-        measure = profiling.measure_variant
+        measure = profiling.measure_batch
 
         def failing(*args, **kwargs):
             if len(counted) >= total + 4:
                 raise RuntimeError("GPU fell off the bus")
             return measure(*args, **kwargs)
 
-        monkeypatch.setattr(profiling, "measure_variant", failing)
+        monkeypatch.setattr(profiling, "measure_batch", failing)
         crashed = _profile(graph, store, budget=10, seed=1)
-    assert crashed[0].error == "RuntimeError: GPU fell off the bus" and not crashed[0].frontier
-    monkeypatch.setattr(profiling, "measure_variant", measure)
+    before = len(counted) - total  # the rounds measured before the crash: at least 4
+    assert before >= 4
+    assert all(p.error == "RuntimeError: GPU fell off the bus" and not p.frontier
+               for p in crashed)
+    monkeypatch.setattr(profiling, "measure_batch", measure)
     with ProfileStore(cache_dir=resumed_dir) as store:
         resumed = _profile(graph, store, budget=10, seed=1)
-    assert len(counted) == 2 * total  # 4 before the crash, the rest after it
-    assert resumed[0].measured == complete[0].evaluations - 4
-    assert resumed[0].frontier == complete[0].frontier
+    assert len(counted) == 2 * total  # some before the crash, the rest after it
+    assert sum(p.measured for p in resumed) == sum(p.evaluations for p in complete) - before
+    assert [p.frontier for p in resumed] == [p.frontier for p in complete]
 
 
 def test_off_and_unsplit_counts_profile_nothing(graphs, tmp_path, counted):
     with ProfileStore(cache_dir=tmp_path) as store:
         assert _profile(graphs, store, mode="off") == []
         gpu = SimulatedGPU(GPU)
-        assert profile_graph(graphs[0], 1, gpu, store, Settings(), prefix="x") == ()
+        assert profile_graph(graphs[0], (1,), gpu, store, Settings(), prefix="x") == ()
     assert counted == []
 
 
@@ -257,7 +260,7 @@ def test_a_real_gpu_runs_each_variant_under_the_protocol(graphs, tmp_path, lower
         gpu.measure = measured
         settings = Settings(budget=3, protocol=Protocol(repeats=2, max_spread=10.0))
         profiles = profile_graph(
-            graphs[0], 2, gpu, store, settings, prefix="fw",
+            graphs[0], (2,), gpu, store, settings, prefix="fw",
             lower=lambda gm, inputs: lower(gm, inputs, lowering),
         )
         gpu.clock_controller().reset()
@@ -334,7 +337,7 @@ def test_a_real_gpu_measures_a_capped_collective_on_a_capped_communicator(fake_p
     with NvmlGPU(nvml_module=FakeNvml(), cuda=False, min_window_s=0.002, settle_s=0.0,
                  reset_at_exit=False) as gpu, ProfileStore(cache_dir=tmp_path) as store:
         settings = Settings(budget=12, protocol=Protocol(repeats=1))
-        (profile,) = profile_graph(analysis, 2, gpu, store, settings, prefix="fw",
+        (profile,) = profile_graph(analysis, (2,), gpu, store, settings, prefix="fw",
                                    communicators=Communicators(make_group))
         gpu.clock_controller().reset()
         (key,) = store.keys()
@@ -344,3 +347,24 @@ def test_a_real_gpu_measures_a_capped_collective_on_a_capped_communicator(fake_p
     assert made == [(analysis.collectives[0].group_name, 4)]  # made once, when first measured
     (capped,) = {name for name in issued_on if name is not None}
     assert capped != analysis.collectives[0].group_name and caps and set(caps) == {4}
+
+
+def test_a_partition_whose_variant_cannot_be_built_is_given_up_alone(graphs, tmp_path,
+                                                                     monkeypatch):
+    build, broken = profiling.partition_workload, []
+
+    def failing(partition, *args, **kwargs):
+        broken[:] = broken or [partition]  # the first partition built
+        if partition is broken[0]:
+            raise ValueError("no variant at this slot")
+        return build(partition, *args, **kwargs)
+
+    monkeypatch.setattr(profiling, "partition_workload", failing)
+    with ProfileStore(cache_dir=tmp_path) as store:
+        profiles = profile_graph(graphs[0], (2,), SimulatedGPU(GPU), store, Settings(budget=4),
+                                 prefix="fw")
+    failed = [p for p in profiles if p.error is not None]
+    assert len(failed) == 1 and failed[0].error == "ValueError: no variant at this slot"
+    assert not failed[0].frontier and failed[0].stopped == "failed"
+    others = [p for p in profiles if p.error is None]
+    assert others and all(p.frontier and p.evaluations == 4 for p in others)

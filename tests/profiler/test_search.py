@@ -11,17 +11,20 @@ from kareus.devices.base import Measurement
 from kareus.profiler.search import (
     MAX_EXHAUSTIVE,
     MAX_SEARCH_CLOCKS,
+    ClockSearch,
     Config,
+    GridSearch,
     Point,
     SearchSpaceError,
     Space,
     _start,
-    _unmeasured,
     exhaustive,
     hypervolume,
+    lockstep,
     pareto,
     reference_point,
     search,
+    sweep,
 )
 
 A100_CLOCKS = tuple(range(1410, 899, -30))
@@ -92,7 +95,10 @@ def test_the_budget_is_kept_and_nothing_is_measured_twice():
 
     result = search(SPACE, counted, budget=20, patience=100)
     assert len(calls) == 20 == len(set(calls)) and result.stopped == "budget"
-    assert calls[:2] == [Config(0, 6, 1410), Config(0, 6, 900)]  # the seeded start
+    # the seeded start: the default schedule and four drawn ones at the top clock, then
+    # the default schedule at the lowest
+    assert calls[0] == Config(0, 6, 1410) and calls[5] == Config(0, 6, 900)
+    assert {c.clock_mhz for c in calls[:5]} == {1410} and len({c for c in calls[:5]}) == 5
 
 
 def test_a_flat_problem_stops_early():
@@ -173,12 +179,8 @@ HUGE = Space(slots=(0, 1, 2, 3), resources=(None, 8, 16), clocks=range(20_000_00
 def test_a_huge_space_builds_and_samples_without_being_listed():
     assert HUGE.size == 4 * 3 * 20_000_001
     start = _start(HUGE, random.Random(0), 6)
-    assert start[:2] == [Config(0, None, 20_000_001), Config(0, None, 1)]
+    assert start[0] == Config(0, None, 20_000_001) and start[-1] == Config(0, None, 1)
     assert len(set(start)) == 6 and all(HUGE.config(HUGE.index(c)) == c for c in start)
-    seen = set(start)
-    for _ in range(100):
-        seen.add(_unmeasured(HUGE, seen, random.Random(len(seen))))
-    assert len(seen) == 106
     assert HUGE.config(HUGE.size - 1) == Config(3, 16, 1)
 
 
@@ -199,15 +201,28 @@ def test_clocks_must_strictly_descend():
     assert Space(slots=(0,), resources=(None,), clocks=range(1410, 899, -30)).size == 18
 
 
-def test_a_random_unmeasured_pick_is_the_listed_grids():
-    """The pick computed from indices is the one drawn from the listed unmeasured grid."""
-    rng = random.Random(7)
-    for _ in range(200):
-        seen = set(rng.sample(list(SPACE), rng.randrange(SPACE.size)))
-        seed = rng.random()
-        listed = [c for c in SPACE if c not in seen]
-        assert _unmeasured(SPACE, seen, random.Random(seed)) == (
-            listed[random.Random(seed).randrange(len(listed))])
+def test_the_sweep_goes_coarse_to_fine_over_every_clock_once():
+    assert sweep((9, 8, 7, 6, 5, 4, 3, 2, 1)) == [9, 1, 5, 7, 3, 8, 6, 4, 2]
+    assert sweep((1410,)) == [1410] and sweep((2, 1)) == [2, 1]
+    order = sweep(A100_CLOCKS)
+    assert sorted(order) == sorted(A100_CLOCKS) and order[:3] == [1410, 900, 1170]
+
+
+def test_each_round_measures_at_one_clock_and_few_rounds_are_needed():
+    rounds: list[int] = []
+    result = search(SPACE, synthetic, budget=32, patience=100)
+
+    def counted(config: Config) -> Measurement:
+        if not rounds or rounds[-1] != config.clock_mhz:
+            rounds.append(config.clock_mhz)
+        return synthetic(config)
+
+    again = search(SPACE, counted, budget=32, patience=100)
+    assert [p.config for p in again.points] == [p.config for p in result.points]
+    # a clock is set once per round, and rounds follow the sweep, pass after pass
+    passes = iter(sweep(A100_CLOCKS) * 2)
+    assert all(clock in passes for clock in rounds)  # a subsequence of two passes
+    assert len(rounds) < len(again.points)
 
 
 def test_a_budget_below_the_start_measures_a_prefix_of_it():
@@ -215,3 +230,35 @@ def test_a_budget_below_the_start_measures_a_prefix_of_it():
     for budget in (1, 3, 5):
         short = search(SPACE, synthetic, budget=budget, seed=4).points
         assert [p.config for p in short] == [p.config for p in long[:budget]]
+
+
+def test_searches_side_by_side_measure_what_each_would_alone_in_shared_rounds():
+    spaces = [SPACE, Space(slots=(0, 1), resources=(6, 24), clocks=A100_CLOCKS)]
+    alone = [search(space, synthetic, budget=20, seed=s) for s, space in enumerate(spaces)]
+    rounds: list[tuple[int, list[int]]] = []
+
+    def measure(clock: int, batch: list[tuple[int, Config]]) -> list[Measurement]:
+        assert {config.clock_mhz for _, config in batch} == {clock}
+        rounds.append((clock, [i for i, _ in batch]))
+        return [synthetic(config) for _, config in batch]
+
+    together = lockstep([ClockSearch(space, budget=20, seed=s) for s, space in enumerate(spaces)],
+                        A100_CLOCKS, measure)
+    for a, t in zip(alone, together, strict=True):
+        assert [p.config for p in t.points] == [p.config for p in a.points]
+        assert t.stopped == a.stopped and t.hypervolumes == a.hypervolumes
+    shared = [r for r in rounds if len(set(r[1])) == 2]
+    assert shared and len(rounds) < sum(len(a.rounds) for a in alone)
+
+
+def test_a_grid_search_measures_every_configuration_a_clock_at_a_time():
+    small = Space(slots=(0, 2), resources=(6, 24), clocks=(1410, 1200, 900))
+    clocks: list[int] = []
+
+    def measure(clock: int, batch: list[tuple[int, Config]]) -> list[Measurement]:
+        clocks.append(clock)
+        return [synthetic(config) for _, config in batch]
+
+    (result,) = lockstep([GridSearch(small)], small.clocks, measure)
+    assert sorted(p.config for p in result.points) == sorted(small)
+    assert clocks == [1410, 900, 1200] and result.rounds == [4, 4, 4]

@@ -146,7 +146,8 @@ class NvmlGPU(Device, Closing):
     Without permission to lock clocks (not a dry run), clocks are locked through zeusd
     at ``zeusd_socket`` (None: ``$ZEUSD_SOCK_PATH``) where it answers; where it does not
     either, only the default clock is searched and ``clock_limitation`` says why (a WARNING
-    says it once, at open).
+    says it once, at open). ``load`` keeps the GPU busy for about the seconds given while
+    its energy counter is probed (None: a GEMM loop with CUDA, a CPU spin without).
     """
 
     controls_clocks = True
@@ -170,8 +171,10 @@ class NvmlGPU(Device, Closing):
         zeusd_socket: str | os.PathLike[str] | None = None,
         counter: CounterBehaviour | None = None,
         multiplexing: MultiplexPolicy = DEFAULT_POLICY,
+        load: Callable[[float], None] | None = None,
     ) -> None:
         self.dry_run = dry_run
+        self._load = load
         self._settle_s = settle_s
         self._sleep = sleep
         self._timer = timer
@@ -309,15 +312,7 @@ class NvmlGPU(Device, Closing):
     def measure(
         self, workload: Workload, clock_mhz: int, *, resources: Resources | None = None
     ) -> Measurement:
-        capped = sorted(name for name, sms in (resources or {}).items() if sms is not None)
-        if capped:
-            raise UnsupportedMeasurementError(
-                self.name,
-                f"SM caps on {', '.join(capped)}",
-                "caps are realised by NCCL sub-communicators the runtime creates "
-                "(runtime.communicators), not by the meter; measure the rewritten graph "
-                "with resources=None",
-            )
+        self._refuse_caps(resources)
         # Once the counter is known not to integrate (probed before profiling measures),
         # a window must be long enough for the stated error, as in measure_batch.
         known = self._counter is not None and not self._counter.integrates
@@ -325,13 +320,17 @@ class NvmlGPU(Device, Closing):
         return self._windowed(workload, clock_mhz, meter, workload.agree)
 
     def measure_batch(
-        self, workloads: Sequence[Workload], clock_mhz: int, agree: Agree | None = None
+        self, workloads: Sequence[Workload], clock_mhz: int, agree: Agree | None = None,
+        resources: Sequence[Resources | None] | None = None,
     ) -> list[Measurement]:
         """``workloads`` at ``clock_mhz``, the clock set once: multiplexed where the counter
         integrates (``method`` "nvml-multiplexed", ``details["error"]`` each estimate's
         relative error), else each in windows of ``fallback_window_s`` (its
         ``details["min_window_s"]``). The block order's seed comes from the workloads'
-        names, so ranks measuring the same batch draw the same order."""
+        names, so ranks measuring the same batch draw the same order. SM caps are refused,
+        as by ``measure``."""
+        for caps in resources or ():
+            self._refuse_caps(caps)
         runs = [self._run_of(workload) for workload in workloads]
         if not self.estimates_error:
             meter = self.meter.lengthened(self.fallback_window_s)
@@ -358,6 +357,17 @@ class NvmlGPU(Device, Closing):
             )
             for v, estimate in enumerate(result.estimates)
         ]
+
+    def _refuse_caps(self, resources: Resources | None) -> None:
+        capped = sorted(name for name, sms in (resources or {}).items() if sms is not None)
+        if capped:
+            raise UnsupportedMeasurementError(
+                self.name,
+                f"SM caps on {', '.join(capped)}",
+                "caps are realised by NCCL sub-communicators the runtime creates "
+                "(runtime.communicators), not by the meter; measure the rewritten graph "
+                "with resources=None",
+            )
 
     @property
     def fallback_window_s(self) -> float:
@@ -429,7 +439,7 @@ class NvmlGPU(Device, Closing):
     def _probe_counter(self, driver: str) -> CounterBehaviour:
         return probe_counter(
             self.meter.counter_mj,
-            busy=gemm_busy(self._timer) if self._cuda else cpu_busy(self._timer),
+            busy=self._load or (gemm_busy(self._timer) if self._cuda else cpu_busy(self._timer)),
             idle=self._sleep,
             timer=self._timer,
             gpu=self.gpu_name,

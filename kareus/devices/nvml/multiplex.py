@@ -80,6 +80,9 @@ class MultiplexPolicy:
 
     block_s: float = 0.15
     """A block's target length: a few counter updates, short enough to interleave."""
+    max_block_s: float = 0.2
+    """The longest a first round's blocks are stretched to, so that the round spans just
+    the counter updates its errors need rather than a whole block more of each variant."""
     min_blocks: int = 1
     """Blocks of each variant in the first round."""
     max_error: float = 0.015
@@ -104,6 +107,9 @@ class MultiplexPolicy:
         for name in ("block_s", "max_error", "poll_s", "max_spread_s", "lag_step_s", "silent_s"):
             if not getattr(self, name) > 0:
                 raise MultiplexPolicyError(f"{name} must be positive, not {getattr(self, name)}")
+        if not self.max_block_s >= self.block_s:
+            raise MultiplexPolicyError(
+                f"max_block_s must be at least block_s ({self.block_s}), not {self.max_block_s}")
         for name in ("min_blocks", "max_rounds", "max_blocks"):
             if getattr(self, name) < 1:
                 raise MultiplexPolicyError(f"{name} must be at least 1, not {getattr(self, name)}")
@@ -115,6 +121,11 @@ MIN_FREEDOM = 8
 """Fewest intervals beyond the unknowns for an error to be stated from the residuals alone:
 their variance s^2 is uncertain by sqrt(2 / freedom), half of it at 8 (fewer, and a lucky
 small residual would pass a poor fit as a precise one)."""
+
+WAIT_UPDATES = 2.0
+"""Counter updates a round waits besides its blocks, on average: half an update for a tick
+before its first block, and one and a half after its last, until a tick a whole update
+after it shows that the counter has reported the round (``_reported``)."""
 
 POOLED_FREEDOM = 2
 """Fewest intervals beyond the unknowns for an error to be stated where the counter's noise
@@ -452,18 +463,21 @@ def more_blocks(error: float, blocks: int, policy: MultiplexPolicy) -> int:
     return max(0, min(policy.max_blocks, max(needed, 2 * blocks)) - blocks)
 
 
-def first_blocks(
+def first_round(
     variants: int, period_s: float | None, policy: MultiplexPolicy, *, noise_known: bool = False
-) -> int:
-    """Blocks of each variant in the first round: ``min_blocks``, or more where the
-    counter's period is known and they would not span enough updates for an error to be
-    stated (``MIN_FREEDOM`` beyond the unknowns: the powers, the gap's and the lag;
-    ``POOLED_FREEDOM`` where the counter's noise is ``noise_known``)."""
+) -> tuple[int, float]:
+    """Blocks of each variant in the first round, and how long each is: ``min_blocks`` of
+    ``block_s``, or, where the counter's period is known and they would not span enough
+    updates for an error to be stated (``MIN_FREEDOM`` beyond the unknowns: the powers,
+    the gap's and the lag; ``POOLED_FREEDOM`` where the counter's noise is
+    ``noise_known``), as few as span them in blocks of at most ``max_block_s``, stretched
+    to span just them."""
     if period_s is None:
-        return policy.min_blocks
+        return policy.min_blocks, policy.block_s
     freedom = POOLED_FREEDOM if noise_known else MIN_FREEDOM
     needed_s = (variants + 2 + freedom) * period_s
-    return max(policy.min_blocks, math.ceil(needed_s / (variants * policy.block_s)))
+    blocks = max(policy.min_blocks, math.ceil(needed_s / (variants * policy.max_block_s)))
+    return blocks, max(policy.block_s, needed_s / (variants * blocks))
 
 
 @dataclass
@@ -535,11 +549,11 @@ def multiplex(
     variants = len(runs)
     batch = _Batch(runs, timer, cuda)
     per_run_s = [_warm_up(run, timer, cuda) for run in runs]
-    counts = [first_blocks(variants, period_s, policy, noise_known=noise_mj is not None)
-              ] * variants
+    first, block_s = first_round(variants, period_s, policy, noise_known=noise_mj is not None)
+    counts = [first] * variants
     with TickRecorder(read_mj, timer, policy.poll_s) as recorder:
         for round_ in range(policy.max_rounds):
-            sizes = [decide(runs_to_fill(per_run_s[v], policy.block_s)) if count else 0
+            sizes = [decide(runs_to_fill(per_run_s[v], block_s)) if count else 0
                      for v, count in enumerate(counts)]
             recorder.wait(bool, policy.silent_s)  # a tick before the first block
             for variant in schedule(counts, rng):
@@ -560,6 +574,7 @@ def multiplex(
                 break
             counts[control] = max(counts[control], 1)
             per_run_s = [batch.per_run_s(v) for v in range(variants)]
+            block_s = policy.block_s  # added blocks are the policy's own length
     split = fit_at(usable, by_round(batch.blocks, control, variants), variants + round_ + 1,
                    fit.lag_s, noise_mj)
     result = Multiplexed(
