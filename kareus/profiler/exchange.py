@@ -1,4 +1,5 @@
-"""One partition's search, run by every rank of its group alike, without a collective.
+"""A team's searches (a graph's partition searches side by side, or a whole graph's
+measuring), run by every rank of its group alike, without a collective.
 
 A partition variant is measured on every rank of its collective's group at once (its
 collective needs them all), and every rank must end with the same frontier, or the ranks
@@ -6,11 +7,13 @@ would later choose different variants and hang. So one rank leads: the lowest ra
 group runs the search and, for each configuration it has to measure, posts an instruction;
 every rank measures it and posts its own measurement; the leader reduces them (time max,
 energy sum: ``measure.group_measurement``) and goes on. At the end it posts the whole
-result, which the others adopt as it is. Everything travels through the default process
-group's key-value store, under keys private to one search and one set of ranks::
+result of each of its searches, which the others adopt as it is. Everything travels
+through the default process group's key-value store, under keys private to one team and
+one set of ranks::
 
     <prefix>/<ranks>/step/<j>            the j-th instruction: "measure <config>" |
-                                         "batch <configs at one clock>" | "done <result>"
+                                         "batch <configs at one clock>" |
+                                         "done <each search's result or failure>"
     <prefix>/<ranks>/step/<j>/rank/<r>   rank r's measurement (a list, for a batch) for j
     <prefix>/<ranks>/abort               why the search was given up, written once
 
@@ -21,9 +24,9 @@ sees it at its next poll and raises too. A rank that arrives after the leader fi
 finds the result at once. What remains is a rank dying inside the collective of a
 measurement itself: that is bounded by the process group's own timeout.
 
-The prefix must name the search identically on every rank of the group and differently for
-each search (``profile.py`` uses the graph's compile key, the partition's key and the
-nanobatch count). A group of one rank, or of the fake backend, needs no store: its rank
+The prefix must name the team identically on every rank of the group and differently for
+each team (``profile.py`` uses the graph's compile key and the process group's place among
+the graph's). A group of one rank, or of the fake backend, needs no store: its rank
 measures alone and its measurement stands for the whole (symmetric) group.
 """
 
