@@ -3,14 +3,15 @@
 For a graph split into ``k`` nanobatches, every partition whose collective can launch at
 more than one slot is a search over (launch slot x the SMs its collective gets x SM clock)
 (REFERENCE.md section 1). Partitions with the same structural key (the identical layers of
-a model) are searched once. Each evaluation runs ``workloads.partition_workload`` on this
-rank's device under the measurement protocol, on every rank of the partition's group at
-once (``exchange.Team``: the lowest rank leads, the others follow, nobody meets in a
-collective outside the measured variant itself), and is committed to the profile store
-the moment it is complete. An evaluation already in the store is read back instead of
-measured (``mode="refresh"`` measures again and replaces it), so a second compile of the
-same model on the same device measures nothing, and a search cut short by a crash resumes
-where it stopped.
+a model) are searched once; a graph's searches run side by side, a round per clock, what
+they propose at one clock measured as one batch (``search.lockstep``). Each evaluation
+runs ``workloads.partition_workload`` on this rank's device under the measurement
+protocol, on every rank of the partition's group at once (``exchange.Team``: the lowest
+rank leads, the others follow, nobody meets in a collective outside the measured variant
+itself), and is committed to the profile store the moment it is complete. An evaluation
+already in the store is read back instead of measured (``mode="refresh"`` measures again
+and replaces it), so a second compile of the same model on the same device measures
+nothing, and a search cut short by a crash resumes where it stopped.
 """
 
 from __future__ import annotations
