@@ -2,29 +2,33 @@
 
 A partition variant is a launch slot for the other nanobatch's collective, the SMs that
 collective gets, and an SM clock (REFERENCE.md section 1); measuring one on a real GPU
-takes seconds, so the search spends an evaluation budget where the frontier can still
-move. Two kinds of step share every measurement:
+takes a fraction of a second at a clock already set and a settle more where the clock
+changes, so the search spends an evaluation budget where the frontier can still move, and
+it is asked one clock at a time: what it proposes at a clock is measured with what the
+graph's other searches propose there, in one round (``lockstep``, through the clocks
+coarse to fine, ``sweep``). At a clock, two kinds of step share every measurement:
 
 - a clock step uses the structure of the clock: for one schedule (slot, SMs) time falls
   with the clock as a + b/f and energy is convex in it, so a few measured clocks predict
   the rest (interpolated between measured clocks, elsewhere scaled like the schedule with
   the most measured clocks), and no clock below one that costs more energy than a higher
   one can be on the frontier. The frontier is mostly "the best schedules x their clocks",
-  so the unmeasured clock of a measured schedule whose predicted point would add most
-  hypervolume (total plus effective energy) is measured next, while that gain exceeds
+  so the measured schedules whose predicted points at this clock would add most
+  hypervolume (total plus effective energy) are measured there, while that gain exceeds
   ``tolerance``;
 - otherwise, multi-pass multi-objective Bayesian optimisation (DESIGN.md section 5) looks
-  for better schedules: each proposal comes from one of several scalarisations of (time,
-  energy) and (time, effective energy), in turn, with clock as an ordinal dimension.
+  for better schedules at this clock: each proposal comes from one of several
+  scalarisations of (time, energy) and (time, effective energy), in turn, its surrogate
+  over all three knobs with clock as an ordinal dimension.
 
 Only measured points are returned: predictions choose what to measure, never what is
 reported. The start is seeded and always holds the default variant at the highest and
 lowest clocks (they give the first clock curve). The search stops at the budget, when
 the grid is exhausted, or when the hypervolume of the frontier has not improved for
-``patience`` evaluations.
+``patience`` evaluations at the end of a round.
 
 Everything here is deterministic for a seed: every rank that runs it on the same
-measurements proposes the same points in the same order.
+measurements proposes the same points in the same order, alone or beside others.
 """
 
 from __future__ import annotations
