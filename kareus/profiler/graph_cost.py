@@ -226,10 +226,12 @@ class UnsettledExplorationError(KareusError, RuntimeError):
     graph is not planned rather than measured without end."""
 
 
-MAX_ROUNDS = 16
-"""The most rounds of asking and measuring a graph takes: the planner's exploration asks
-for the unrewritten graph with each count's default, then the candidates composed from
-them, a few rounds; more means it keeps asking for new variants, which is a bug."""
+EXTRA_ROUNDS = 4
+"""The most rounds of asking and measuring a graph takes beyond one per search clock: the
+planner's exploration asks for the unrewritten graph with each count's default, then the
+candidates composed from them, while the grid grows by at most one held-back clock a
+round, up to every search clock (a noisy GPU's checks may all miss); more means it keeps
+asking for new variants, which is a bug."""
 
 
 class GraphMeasurer:
@@ -276,7 +278,8 @@ class GraphMeasurer:
         if self.team.leads:
             try:
                 self.device.probe_counter(self.store)
-                for _ in range(MAX_ROUNDS):
+                rounds = len(self.search_clocks) + EXTRA_ROUNDS
+                for _ in range(rounds):
                     self._missing.clear()
                     explore(self._asking_cost)
                     if not self._missing:
@@ -285,7 +288,7 @@ class GraphMeasurer:
                 else:
                     raise UnsettledExplorationError(
                         f"{self.label}: the planner still asks for new variants after "
-                        f"{MAX_ROUNDS} rounds")
+                        f"{rounds} rounds")
             except BaseException as exc:
                 self.team.abort(f"rank {self.team.rank} failed: {type(exc).__name__}: {exc}")
                 raise

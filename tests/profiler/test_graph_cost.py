@@ -3,6 +3,8 @@ clocks measured, the rest predicted and checked against a held-back clock (every
 clock measured where the check fails), one batch per clock, every measurement kept in the
 store, the profiling budget."""
 
+import math
+
 import pytest
 import torch
 from conftest import analysed, tp_llama
@@ -117,3 +119,34 @@ def test_measuring_stops_once_the_profiling_budget_is_spent(graph, tmp_path):
                                                                   match="0.3 GPU-s is spent"):
         measure(store, spend)
     assert 0.3 <= spend.total_s < 0.3 + 2.0  # stopped at the first batch past it
+
+
+class Bent(SimulatedGPU):
+    """Energy growing as exp(0.3 x the clock's index): a power curve so bent that every
+    held-back clock misses its prediction by more than the tolerance (the chord over two
+    steps is 4.5% off), as a GPU whose readings scatter above it would."""
+
+    def measure(self, workload, clock_mhz, *, resources=None):
+        m = super().measure(workload, clock_mhz, resources=resources)
+        bend = math.exp(0.3 * self.search_clocks().index(clock_mhz))
+        return Measurement(m.time_s, m.energy_j * bend, m.static_power_w, m.clock_mhz,
+                           m.method)
+
+
+def test_a_gpu_whose_checks_all_miss_is_measured_at_every_clock_and_settles(fake_pg,
+                                                                           tmp_path):
+    (g, analysis), _ = analysed(tp_llama(1), torch.randint(0, 256, (8, 16)))
+    gpu = Bent("sim:h200")
+    clocks = gpu.search_clocks()
+
+    def workload(choice):
+        return Workload(str(choice), gm=apply(g.gm, analysis, choice, clocked=False),
+                        world_size=2)
+
+    with ProfileStore(cache_dir=tmp_path) as store:
+        measured = GraphMeasurer(analysis, workload, gpu, store, Settings(), GpuTime(),
+                                 prefix="fw").run(
+            lambda cost: graph_frontier(analysis, (), (1, 2), clocks, cost))
+    # one held-back clock joins the grid a round, until every clock is measured, and the
+    # exploration settles (its bound allows a round per clock)
+    assert measured.grid == tuple(clocks)
