@@ -6,12 +6,12 @@ blocks of a model, are measured once):
 
 - partitions: each distinct partition of a graph whose collective can launch at more than
   one slot, searched per nanobatch count k of the graph's space (``profile.profile_graph``:
-  a Bayesian search of at most ``search_budget`` evaluations, the graph's searches side by
-  side, a round per clock);
+  a Bayesian search of at most ``search_budget`` evaluations at every third search clock,
+  the graph's searches side by side, a round per clock);
 - whole graphs, at their first call (``planner.measured``, ``graph_cost.GraphMeasurer``):
   every variant the planner's frontier asks for (``planner.graph.graph_frontier``: the
   unrewritten graph, each k's default variant, each candidate of the composed frontier),
-  at every other search clock and the last (``graph_cost.measured_clocks``).
+  at about four clocks and a held-back one (``graph_cost.measured_clocks``, ``grid``).
 
 Each batch costs what the default protocol takes on a GPU whose energy counter integrates
 and whose noise the probe measured (``Protocol().seconds_per_batch``: the NVML device's
@@ -40,6 +40,13 @@ called after it, in the same order and under the same process group, as a first 
 calls them, but on no inputs: the simulated GPU costs a variant from its graph and never
 runs it. A graph whose measuring fails there fails as on a real GPU (it is not planned;
 its report says why).
+
+What that profiling plans is set beside what profiling that costs nothing plans
+(``reference``: the simulated GPU costing graphs analytically and every partition variant
+measured at every clock, as ``kareus bench`` plans): each point of each graph's planned
+frontier is costed again by the simulated GPU as a whole graph, and the two are compared
+per step (each block graph times the layers) at the default budget (the least energy no
+slower than the baseline, per graph) and at the fastest, and per graph by hypervolume.
 
 Every measurement the device takes is logged; the counts and GPU-seconds here are the
 log's, checked against kareus's own (each profile's ``measured`` and ``gpu_s``,
@@ -78,9 +85,11 @@ from kareus.devices.nvml.multiplex import DEFAULT_POLICY
 from kareus.offline.trace import compile_microbatch
 from kareus.offline.workload import Workload as Training
 from kareus.passes.decide import Choice
+from kareus.passes.ops import DEFAULT_CLOCK_MHZ
 from kareus.planner.measured import FirstCallPlanning
 from kareus.profiler.graph_cost import measured_clocks
 from kareus.profiler.measure import COUNTER_PERIOD_S, Protocol
+from kareus.profiler.search import Config, Point, hypervolume
 from kareus.reports import GraphReport
 from kareus.version import __version__
 
@@ -250,8 +259,11 @@ def count(
         graphs = _partition_counts(reports, gpu.log)
         for first in deferred:
             _whole_graph(first, gpu, graphs[first.analysis.label])
+        planned = _true_frontiers(deferred, gpu)
     protocol = backend.protocol
     rows = [g.to_json(protocol) for g in graphs.values()]
+    quality = _quality(planned, reference(workload, device, seed=seed),
+                       {g.label: g.role for g in graphs.values()}, workload.model.n_layers)
     return {
         "model": workload.name, "tp": workload.tp, "microbatch_size": workload.microbatch_size,
         "seq": workload.seq, "device": gpu.identity, "model_version": gpu.model_version,
@@ -262,6 +274,7 @@ def count(
         "layers": workload.model.n_layers,
         "graphs": rows,
         "totals": _totals(rows, len(gpu.log), protocol, workload.tp),
+        "quality": quality,
         "kareus_gpu_s": dict(backend.spend.by_graph),  # GpuTime's own, to check against
         "host_seconds": {"trace_and_partition_search": traced_s,
                          "total": time.perf_counter() - started},
@@ -335,6 +348,110 @@ def _partition_counts(reports: Sequence[GraphReport], log: list[Logged]) -> dict
     if at != len(entries):
         raise RuntimeError("partition measurements that no profile took")
     return graphs
+
+
+Curve = tuple[tuple[float, float], list[tuple[float, float]]]
+"""A graph's baseline (time, effective energy: unrewritten at the default clock) and its
+planned frontier's points, each as the simulated GPU costs it analytically."""
+
+
+def _true_frontiers(deferred: Sequence[FirstCallPlanning], gpu: MeasuringGPU) -> dict[str, Curve]:
+    """Each measured graph's frontier as planned from the measurements, every point (a
+    choice at a clock, measured or predicted between measured clocks) costed again by the
+    simulated GPU as a whole graph: what the plan would really get."""
+    frontiers = deferred[0].planner.graph_frontiers() if deferred else {}
+    default_mhz = gpu.search_clocks()[0]
+    curves = {}
+    for first in deferred:
+        frontier = frontiers.get(first.analysis.label)
+        if frontier is None:
+            continue
+        costs: dict[tuple, dict[int, Measurement]] = {}
+        points = []
+        for point in (frontier.baseline, *frontier.points):
+            choice = point.choice
+            clock = choice.clock_mhz if choice.clock_mhz != DEFAULT_CLOCK_MHZ else default_mhz
+            key = (choice.nanobatches, choice.partitions)
+            if key not in costs:
+                _, graph = first.builder.graph(choice.at(DEFAULT_CLOCK_MHZ), clocked=False)
+                costs[key] = SimulatedGPU.estimate_at(gpu, graph, gpu.search_clocks(),
+                                                      first.world_size)
+            m = costs[key][clock]
+            points.append((m.time_s, m.effective_energy_j))
+        curves[first.analysis.label] = (points[0], points[1:])
+    return curves
+
+
+def reference(workload: Training, device: str = DEVICE, *, seed: int = 0) -> dict[str, Curve]:
+    """The frontiers kareus plans with profiling that costs nothing: the simulated GPU
+    costing every graph analytically and every partition variant measured (``search``
+    "grid"), as ``kareus bench`` plans; its points are the model's own costs. By role."""
+    gpu = SimulatedGPU(device)
+    with tempfile.TemporaryDirectory(prefix="kareus-cost-reference-") as store:
+        backend = kareus.KareusBackend({
+            "nanobatches": "auto", "lowering": "eager", "cache_dir": store, "search": "grid",
+            "seed": seed,
+        }, device=gpu)
+        with _fake_group(workload.tp):
+            compile_microbatch(workload, backend)
+        frontiers = backend.planner.graph_frontiers()
+        roles = _roles(backend.reports())
+    return {roles[label]: ((f.baseline.time_s, f.baseline.effective_energy_j),
+                    [(p.time_s, p.effective_energy_j) for p in f.points])
+            for label, f in frontiers.items()}
+
+
+def _least_energy(curve: Curve) -> tuple[float, float]:
+    """(time, effective energy) of the point with the least energy no slower than the
+    baseline (the default budget, per graph), the baseline where none is."""
+    baseline, points = curve
+    return min((p for p in [baseline, *points] if p[0] <= baseline[0] * (1 + 1e-9)),
+               key=lambda p: (p[1], p[0]))
+
+
+def _quality(planned: dict[str, Curve], reference: dict[str, Curve], roles: dict[str, str],
+             layers: int) -> dict[str, Any]:
+    """What profiling cheaply costs the plan: per graph and per step (each block graph
+    x ``layers``), the least energy no slower than the baseline and the fastest time, the
+    planned frontier's (really costed) against the reference's, and the energy saved
+    against the baseline by each."""
+    graphs, step = {}, {k: 0.0 for k in ("baseline_j", "planned_j", "reference_j",
+                                         "planned_fastest_s", "reference_fastest_s")}
+    for label, curve in planned.items():
+        role = roles[label]
+        if role not in reference:
+            continue
+        runs = layers if role.startswith("block/") else 1
+        (_, base_j), ours, theirs = curve[0], _least_energy(curve), _least_energy(reference[role])
+        fastest = min(t for t, _ in [curve[0], *curve[1]])
+        fastest_ref = min(t for t, _ in [reference[role][0], *reference[role][1]])
+        graphs[label] = {"role": role, "runs": runs, "baseline_j": base_j,
+                         "planned_j": ours[1], "reference_j": theirs[1],
+                         "planned_fastest_s": fastest, "reference_fastest_s": fastest_ref,
+                         "hypervolume_vs_reference": _volume_ratio(curve, reference[role])}
+        for key in step:
+            step[key] += runs * graphs[label][key]
+    return {
+        "graphs": graphs, "step": step,
+        "planned_saving": 1 - step["planned_j"] / step["baseline_j"],
+        "reference_saving": 1 - step["reference_j"] / step["baseline_j"],
+        "energy_vs_reference": step["planned_j"] / step["reference_j"] - 1,
+        "fastest_vs_reference": step["planned_fastest_s"] / step["reference_fastest_s"] - 1,
+        "worst_hypervolume_vs_reference": min(
+            (g["hypervolume_vs_reference"] for g in graphs.values()), default=1.0),
+    }
+
+
+def _volume_ratio(planned: Curve, reference: Curve) -> float:
+    """The planned frontier's hypervolume in (time, effective energy) over the reference's,
+    both against 10% beyond the worst time and energy of either."""
+    both = [*planned[1], *reference[1], planned[0], reference[0]]
+    box = (1.1 * max(t for t, _ in both), 1.1 * max(e for _, e in both))
+
+    def volume(points: list[tuple[float, float]]) -> float:
+        return hypervolume([Point(Config(0, None, 0), t, e, e) for t, e in points], box)
+
+    return volume([planned[0], *planned[1]]) / volume([reference[0], *reference[1]])
 
 
 def _roles(reports: Sequence[GraphReport]) -> dict[str, str]:
@@ -432,19 +549,32 @@ def table(result: dict[str, Any]) -> Table:
         (f"{t['gpu_s_per_rank']:.0f} GPU-s per rank = {t['node_wall_minutes']:.1f} min of node "
          f"time; {t['gpu_minutes_per_node']:.1f} GPU-minutes per node of {result['tp']} GPUs "
          f"(target <= {t['target_gpu_minutes_per_node']:g})."),
-        ("Whole-graph variants: unrewritten + each k's default (at "
-         f"{len(result['whole_graph_clocks'])} of {len(result['search_clocks'])} clocks, the "
-         "unrewritten one also at a held-back clock) + composed candidates (at the measured "
-         f"clocks around theirs), a clock at a time; {t['clock_switches']} clock switches; "
-         f"each graph's chosen point checked once in a long window ({t['checks']} checks)."),
+        ("Partitions searched at every third search clock. Whole-graph variants: "
+         f"unrewritten + each k's default (at {len(result['whole_graph_clocks'])} of "
+         f"{len(result['search_clocks'])} clocks and a held-back one) + composed candidates "
+         f"(at the measured clocks around theirs), a clock at a time; {t['clock_switches']} "
+         "clock switches; each graph's chosen point checked once in a long window "
+         f"({t['checks']} checks)."),
         (f"With {t['replicas']} data-parallel replicas: "
          f"{t['gpu_minutes_per_node_with_replicas']:.1f} GPU-minutes per node (replicas do "
          "not share the work yet). If the counter samples part of the time (windows of "
          f"{t['sampled_window_s']:g} s, 3 repeats): "
          f"{t['sampled_counter_gpu_minutes_per_node']:.0f} GPU-minutes per node."),
+        _quality_line(result["quality"]),
         *(f"Whole graph of {f}" for f in failed),
     ])
     return out
+
+
+def _quality_line(quality: dict[str, Any]) -> str:
+    return (
+        "What it plans, each point costed again by the simulated GPU, beside the plan from "
+        "profiling that costs nothing (every partition variant, graphs costed analytically): "
+        f"per step, least energy no slower than the baseline {quality['planned_saving']:.1%} "
+        f"below the baseline against {quality['reference_saving']:.1%} "
+        f"({quality['energy_vs_reference']:+.2%} energy); fastest time "
+        f"{quality['fastest_vs_reference']:+.2%}; the worst graph's frontier holds "
+        f"{quality['worst_hypervolume_vs_reference']:.1%} of the reference's hypervolume.")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -69,6 +69,24 @@ def test_the_counted_measurements_add_up_to_what_kareus_charged(tmp_path):
     whole = sum(g["whole_graph_measurements"] for g in graphs)
     assert sum(g["whole_graph_clock_switches"] for g in graphs) < whole  # a clock at a time
     assert totals["partition_rounds"] < totals["partition_evaluations"]  # and partitions
+    # beside it, what it plans against profiling that costs nothing, in the same run
+    quality = result["quality"]
+    assert {q["role"] for q in quality["graphs"].values()} == {g["role"] for g in graphs
+                                                               if "error" not in g["whole_graph"]}
+    for q in quality["graphs"].values():
+        assert 0 < q["planned_j"] <= q["baseline_j"] and 0 < q["reference_j"] <= q["baseline_j"]
+        assert 0 < q["hypervolume_vs_reference"] <= 1.05
+    assert quality["step"]["baseline_j"] == pytest.approx(sum(
+        q["runs"] * q["baseline_j"] for q in quality["graphs"].values()))
+
+
+def test_the_comparison_scores_a_frontier_against_the_reference():
+    reference = ((1.0, 10.0), [(0.8, 9.0), (1.0, 6.0), (1.3, 4.0)])
+    worse = ((1.0, 10.0), [(0.8, 9.0), (1.0, 7.0)])
+    assert pc._volume_ratio(reference, reference) == pytest.approx(1.0)
+    assert 0 < pc._volume_ratio(worse, reference) < 1
+    assert pc._least_energy(reference) == (1.0, 6.0)  # no slower than the baseline
+    assert pc._least_energy(((1.0, 10.0), [(1.2, 3.0)])) == (1.0, 10.0)
 
 
 def test_the_last_line_is_the_figure_per_node(tmp_path, capsys, monkeypatch):
