@@ -11,12 +11,14 @@ runs:
   chord: :func:`predicted_cost`). The unrewritten graph is also measured at a held-back
   clock (:func:`held_back_clock`), and where the prediction misses it by more than
   ``HELD_BACK_TOLERANCE`` (the curve bends there) that clock joins the grid and the next
-  widest gap is checked (:func:`grid`);
+  widest gap is checked (:func:`grid`). What the planner asks for first (the unrewritten
+  graph and each count's default) is measured at the held-back clock too, so that a clock
+  joining the grid costs no batch of its own;
 - one clock at a time: the variants the planner asks for are gathered first (the
   planner's exploration asks again once they are measured, until it asks nothing new) and
   each clock's are measured as one batch (``Device.measure_batch``: interleaved where the
-  GPU's counter allows), the unrewritten graph first, the control of every batch; so a
-  graph switches clocks a few times per round instead of once per measurement;
+  GPU's counter allows; its first variant is the control that catches drift); so a graph
+  switches clocks a few times per round instead of once per measurement;
 - on a copy of the inputs of the graph's first call: real data, so that a data-dependent
   graph (MoE routing, index ops) costs what it will cost, and the call then runs on its
   own inputs untouched;
@@ -270,6 +272,7 @@ class GraphMeasurer:
         self._steps = 0
         self._clock: int | None = None  # the clock the last batch ran at
         self._missing: dict[Choice, None] = {}  # asked for and not measured, in order
+        self._first_ask = True  # the planner's first ask: the unrewritten graph, the defaults
 
     def run(self, explore: Callable[[GraphCost], object]) -> MeasuredGraph:
         """Every variant ``explore`` asks for, measured (or read back) on every rank of the
@@ -279,8 +282,9 @@ class GraphMeasurer:
             try:
                 self.device.probe_counter(self.store)
                 rounds = len(self.search_clocks) + EXTRA_ROUNDS
-                for _ in range(rounds):
+                for ask in range(rounds):
                     self._missing.clear()
+                    self._first_ask = ask == 0
                     explore(self._asking_cost)
                     if not self._missing:
                         break
@@ -309,13 +313,14 @@ class GraphMeasurer:
         self, variant: Variant | None, clocks: Sequence[int]
     ) -> dict[int, Measurement] | None:
         """``GraphCost`` from what is measured or stored; what is neither is noted to be
-        measured (the unrewritten graph's held-back clock with it) and the answer is None."""
+        measured (at the held-back clock too: the unrewritten graph's, and every variant's
+        of the first ask) and the answer is None."""
         clocks_measured = _grid_of(self.search_clocks, self.measurements)
         wanted = [Choice.of(variant).at(f) for f in _needed(clocks_measured, clocks)]
         check = next_check(self.search_clocks,
                            lambda f: self.measurements.get(Choice(1, f, ())))
-        if variant is None and check is not None:
-            wanted.append(Choice(1, check, ()))
+        if check is not None and (variant is None or self._first_ask):
+            wanted.append(Choice.of(variant).at(check))
         for choice in wanted:
             if choice not in self.measurements and not self._stored(choice):
                 self._missing[choice] = None
@@ -334,8 +339,7 @@ class GraphMeasurer:
 
     def _measure(self, choices: list[Choice]) -> None:
         """``choices`` measured for the team a clock at a time, from the clock the last
-        batch ran at downwards and then upwards; each batch leads with the unrewritten
-        graph (measured again where it is known: the batch's control)."""
+        batch ran at downwards and then upwards."""
         by_clock: dict[int, list[Choice]] = {}
         for c in choices:
             by_clock.setdefault(c.clock_mhz, []).append(c)
@@ -343,17 +347,15 @@ class GraphMeasurer:
         order = sorted((f for f in by_clock if f <= top), reverse=True) + sorted(
             f for f in by_clock if f > top)
         for clock in order:
-            control = Choice(1, clock, ())
-            batch = [control, *(c for c in by_clock[clock] if c != control)]
+            batch = by_clock[clock]
             self.spend.check()
             found = self.team.measure_batch(self._steps, batch, self._measure_batch_here)
             self._steps += 1
             for choice, m in zip(batch, found, strict=True):
-                if choice in self._missing:
-                    self.fresh += 1
-                    self.measurements[choice] = m
-                    self.store.record(self._key(choice), _knobs(choice), m,
-                                      replace=self.settings.mode == "refresh")
+                self.fresh += 1
+                self.measurements[choice] = m
+                self.store.record(self._key(choice), _knobs(choice), m,
+                                  replace=self.settings.mode == "refresh")
         if self.progress is not None:
             done = len(self.measurements)
             self.progress(self.label, done, done, [Point.of(c, x)

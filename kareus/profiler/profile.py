@@ -2,16 +2,18 @@
 
 For a graph split into ``k`` nanobatches, every partition whose collective can launch at
 more than one slot is a search over (launch slot x the SMs its collective gets x SM clock)
-(REFERENCE.md section 1). Partitions with the same structural key (the identical layers of
-a model) are searched once; a graph's searches run side by side, a round per clock, what
-they propose at one clock measured as one batch (``search.lockstep``). Each evaluation
-runs ``workloads.partition_workload`` on this rank's device under the measurement
-protocol, on every rank of the partition's group at once (``exchange.Team``: the lowest
-rank leads, the others follow, nobody meets in a collective outside the measured variant
-itself), and is committed to the profile store the moment it is complete. An evaluation
-already in the store is read back instead of measured (``mode="refresh"`` measures again
-and replaces it), so a second compile of the same model on the same device measures
-nothing, and a search cut short by a crash resumes where it stopped.
+(REFERENCE.md section 1), at every third search clock and the last
+(:func:`partition_clocks`; the grid strategy takes every clock). Partitions with the same
+structural key (the identical layers of a model) are searched once; a graph's searches run
+side by side, a round per clock, what they propose at one clock measured as one batch
+(``search.lockstep``). Each evaluation runs ``workloads.partition_workload`` on this rank's
+device under the measurement protocol, on every rank of the partition's group at once
+(``exchange.Team``: the lowest rank leads, the others follow, nobody meets in a collective
+outside the measured variant itself), and is committed to the profile store the moment it
+is complete. An evaluation already in the store is read back instead of measured
+(``mode="refresh"`` measures again and replaces it), so a second compile of the same model
+on the same device measures nothing, and a search cut short by a crash resumes where it
+stopped.
 """
 
 from __future__ import annotations
@@ -46,6 +48,22 @@ from kareus.profiler.workloads import Lower, partition_workload
 from kareus.runtime.communicators import Communicators
 
 MODES = ("auto", "off", "refresh")
+
+CLOCK_STRIDE = 3
+"""A partition's search measures every third of the device's search clocks (and the last).
+A search only proposes: the planner predicts each schedule between its measured clocks
+(time a + b/f, energy on the chord: ``search.complete``) and costs every candidate it
+composes as a whole graph at the clocks it runs at (``planner.graph``), so the clocks
+between cost the searches' rounds (a clock switch and the counter's readings each) and
+add little: ``benchmarks/profiling_cost.py`` plans the same energy from them as from every
+variant at every clock."""
+
+
+def partition_clocks(clocks: Sequence[int]) -> Sequence[int]:
+    """The clocks of ``clocks`` (descending) a partition's search measures at: every
+    ``CLOCK_STRIDE``-th from the highest, and the lowest (the bottom of every curve)."""
+    picked = clocks[::CLOCK_STRIDE]
+    return picked if picked[-1] == clocks[-1] else (*picked, clocks[-1])
 
 
 @dataclass(frozen=True)
@@ -346,12 +364,12 @@ class _Search:
         # ranks together when they first measure the cap (in the leader's order).
         realisable = device.models_resources or context.communicators is not None
         resources = self.choices.resources if realisable else (None,)
-        self.space = Space(
-            tuple(range(self.choices.launch_slots)), resources, device.search_clocks()
-        )
+        self.grid = settings.strategy == "grid"
+        clocks = device.search_clocks()
+        self.space = Space(tuple(range(self.choices.launch_slots)), resources,
+                           clocks if self.grid else partition_clocks(clocks))
         self.key = ProfileKey(self.choices.key, device.identity, device.model_version,
                               self.space.clocks, group_size)
-        self.grid = settings.strategy == "grid"
         self.search_id = json.dumps({
             "nanobatches": k, "slots": self.space.slots, "resources": self.space.resources,
             **({"strategy": "grid"} if self.grid else

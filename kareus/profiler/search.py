@@ -305,11 +305,11 @@ class ClockSearch:
     and the default schedule at the lowest. At every later clock it proposes the measured
     schedules whose predicted point there adds the most hypervolume (a clock step, up to
     ``WIDTH``), or, where no clock step is worth it, the schedule the surrogate of the
-    next scalarisation scores best there (exploration; the ``WIDTH`` best after the first
-    pass over the clocks, so that later passes take few rounds). It stops at ``budget`` (the last
-    round cut short: a shorter budget measures a prefix), when the grid is exhausted, or
-    when the hypervolume has not improved for ``patience`` evaluations at the end of a
-    round."""
+    next scalarisation scores best there (exploration, the ``WIDTH`` best: a round costs
+    the counter's readings and a clock switch whatever it holds, so each is filled). It
+    stops at ``budget`` (the last round cut short: a shorter budget measures a prefix),
+    when the grid is exhausted, or when the hypervolume has not improved for ``patience``
+    evaluations at the end of a round."""
 
     def __init__(
         self, space: Space, *, budget: int = 32, seed: int = 0, initial: int = 6,
@@ -334,7 +334,6 @@ class ClockSearch:
         self.references: dict[Objective, tuple[float, float]] = {}
         self.best, self.stale = 0.0, 0
         self.passes = itertools.cycle(itertools.product(WEIGHTS, (ENERGY, EFFECTIVE)))
-        self.asked = 0  # rounds proposed for: a pass is one per clock
 
     @property
     def done(self) -> bool:
@@ -344,8 +343,6 @@ class ClockSearch:
         room = min(self.budget, self.space.size) - len(self.points)
         if self.done or room <= 0:
             return []
-        first_pass = self.asked < len(self.space.clocks)
-        self.asked += 1
         if not self.references:
             return [c for c in self.start if c.clock_mhz == clock][:room]
         picks = _clock_picks(self.points, self.seen, self.references, self.tolerance, clock)
@@ -353,7 +350,7 @@ class ClockSearch:
             return picks[:room]
         weight, energy = next(self.passes)
         return _explore(self.space, self.points, self.seen, weight, energy, clock, self.rng,
-                        self.seed + len(self.points), 1 if first_pass else WIDTH)[:room]
+                        self.seed + len(self.points), WIDTH)[:room]
 
     def tell(self, points: Sequence[Point]) -> None:
         for p in points:

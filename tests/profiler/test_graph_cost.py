@@ -1,6 +1,7 @@
 """Whole graphs measured per clock (a device that must run a graph to cost it): about four
 clocks measured, the rest predicted and checked against a held-back clock (every other
-clock measured where the check fails), one batch per clock, every measurement kept in the
+clock measured where the check fails; the first ask's variants measured there too), one
+batch per clock, every measurement kept in the
 store, the profiling budget."""
 
 import math
@@ -14,6 +15,7 @@ from kareus.devices import SimulatedGPU
 from kareus.devices.base import Measurement, Workload
 from kareus.passes.decide import Choice
 from kareus.planner.graph import graph_frontier
+from kareus.profiler import graph_cost
 from kareus.profiler.graph_cost import (
     GraphMeasurer,
     grid,
@@ -134,10 +136,19 @@ class Bent(SimulatedGPU):
 
 
 def test_a_gpu_whose_checks_all_miss_is_measured_at_every_clock_and_settles(fake_pg,
-                                                                           tmp_path):
+                                                                           tmp_path,
+                                                                           monkeypatch):
     (g, analysis), _ = analysed(tp_llama(1), torch.randint(0, 256, (8, 16)))
     gpu = Bent("sim:h200")
     clocks = gpu.search_clocks()
+    batches = []
+    measure = graph_cost.measure_batch
+
+    def logged(device, workloads, clock_mhz, **kwargs):
+        batches.append((clock_mhz, len(workloads)))
+        return measure(device, workloads, clock_mhz, **kwargs)
+
+    monkeypatch.setattr(graph_cost, "measure_batch", logged)
 
     def workload(choice):
         return Workload(str(choice), gm=apply(g.gm, analysis, choice, clocked=False),
@@ -150,3 +161,8 @@ def test_a_gpu_whose_checks_all_miss_is_measured_at_every_clock_and_settles(fake
     # one held-back clock joins the grid a round, until every clock is measured, and the
     # exploration settles (its bound allows a round per clock)
     assert measured.grid == tuple(clocks)
+    # the first held-back clock had the first ask's variants (unrewritten, k=2's default)
+    # measured with the check: joining the grid took no batch of its own there
+    first = held_back_clock(clocks)
+    assert [b for b in batches if b[0] == first] == [(first, 2)]
+    assert len(batches) < 2 * len(clocks)

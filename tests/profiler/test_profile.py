@@ -85,6 +85,28 @@ def test_a_grid_measures_every_variant_once_and_is_replayed_from_the_store(
         assert [p.frontier for p in again] == [p.frontier for p in profiles]
 
 
+def test_a_search_measures_every_third_clock_and_the_last_the_grid_every_clock(
+    graphs, tmp_path, counted
+):
+    """A Bayesian search measures at ``partition_clocks`` only (the planner predicts the
+    clocks between and costs what it composes as whole graphs); the grid, the ground
+    truth, at every clock."""
+    clocks = SimulatedGPU(GPU).search_clocks()
+    coarse = profiling.partition_clocks(clocks)
+    assert coarse == (*clocks[::3], clocks[-1]) or coarse == clocks[::3]
+    assert coarse[0] == clocks[0] and coarse[-1] == clocks[-1] and len(coarse) < len(clocks)
+    assert profiling.partition_clocks((1410, 1380, 1350)) == (1410, 1350)
+    with ProfileStore(cache_dir=tmp_path / "search") as store:
+        searched = _profile(graphs, store, budget=40)
+    measured_at = {clock for _, clock in counted}
+    assert measured_at <= set(coarse) and {clocks[0], clocks[-1]} <= measured_at
+    assert all(p.space_size % len(coarse) == 0 for p in searched)
+    counted.clear()
+    with ProfileStore(cache_dir=tmp_path / "grid") as store:
+        _profile(graphs, store, budget=3, strategy="grid")
+    assert {clock for _, clock in counted} == set(clocks)
+
+
 def test_a_second_profile_with_the_same_store_measures_nothing(graphs, tmp_path, counted):
     with ProfileStore(cache_dir=tmp_path) as store:
         first = _profile(graphs, store, budget=10)
@@ -343,7 +365,8 @@ def test_a_real_gpu_measures_a_capped_collective_on_a_capped_communicator(fake_p
         (key,) = store.keys()
         caps = [sms for e in store.evaluations(key) for _, sms in e.knobs.resources]
     assert profile.error is None and profile.measured == 12
-    assert profile.space_size == 2 * 2 * len(gpu.search_clocks())  # slots x caps x clocks
+    clocks = profiling.partition_clocks(gpu.search_clocks())
+    assert profile.space_size == 2 * 2 * len(clocks)  # slots x caps x clocks
     assert made == [(analysis.collectives[0].group_name, 4)]  # made once, when first measured
     (capped,) = {name for name in issued_on if name is not None}
     assert capped != analysis.collectives[0].group_name and caps and set(caps) == {4}

@@ -11,6 +11,7 @@ from kareus.devices.base import Measurement
 from kareus.profiler.search import (
     MAX_EXHAUSTIVE,
     MAX_SEARCH_CLOCKS,
+    WIDTH,
     ClockSearch,
     Config,
     GridSearch,
@@ -150,11 +151,12 @@ def test_the_clock_structure_finds_the_best_schedules_clock_frontier():
     truth = {p.config for p in pareto(exhaustive(SPACE, clocked))}
     assert {(c.slot, c.sms) for c in truth} == {(0, 6)} and len(truth) == 9
     found = [
-        len(truth & {p.config for p in search(SPACE, clocked, budget=18, seed=seed).points})
+        len(truth & {p.config for p in search(SPACE, clocked, budget=24, seed=seed,
+                                              patience=24).points})
         for seed in range(3)
     ]
-    # Its two seeded clocks predict the rest: the median seed has all nine within 18
-    # evaluations (without the clock step, five).
+    # Its two seeded clocks predict the rest: the median seed has all nine within 24
+    # evaluations, four of each round exploring schedules (without the clock step, five).
     assert statistics.median(found) == len(truth)
 
 
@@ -223,6 +225,19 @@ def test_each_round_measures_at_one_clock_and_few_rounds_are_needed():
     passes = iter(sweep(A100_CLOCKS) * 2)
     assert all(clock in passes for clock in rounds)  # a subsequence of two passes
     assert len(rounds) < len(again.points)
+
+
+def test_a_round_that_explores_is_filled_from_the_first_pass():
+    """Where no clock step is worth it (the clock changes nothing here), every round after
+    the start explores ``WIDTH`` schedules: a round costs a clock switch and the counter's
+    readings whatever it holds."""
+
+    def flat(config: Config) -> Measurement:
+        return synthetic(Config(config.slot, config.sms, SPACE.clocks[0]))
+
+    rounds = search(SPACE, flat, budget=32, patience=100).rounds
+    assert rounds[:2] == [5, 1]  # the start: top clock, then the bottom
+    assert rounds[2:-1] == [WIDTH] * (len(rounds) - 3) and sum(rounds) == 32
 
 
 def test_a_budget_below_the_start_measures_a_prefix_of_it():
