@@ -44,7 +44,8 @@ from kareus.devices.nvml.energy import DEFAULT_MIN_WINDOW_S
 from kareus.devices.nvml.gpu import CHECK_WINDOW_S, DEFAULT_SETTLE_S
 from kareus.devices.nvml.multiplex import (
     DEFAULT_POLICY,
-    WAIT_UPDATES,
+    WAIT_AFTER_UPDATES,
+    WAIT_BEFORE_UPDATES,
     MultiplexPolicy,
     first_round,
 )
@@ -127,10 +128,11 @@ class Protocol:
     """How long a variant runs to be measured, and how steady its measurement must be.
 
     Multiplexed (the default where the counter integrates; ``multiplex.MultiplexPolicy``
-    holds its settings): a 0.1 s settle, then blocks of 0.15 s, enough of them that the
-    counter's readings state each variant's error, more where it exceeds 1.5%, and the
-    waits for the counter's report: about 0.8 s for one variant, 0.17 s each for ten, where
-    the probe measured the counter's noise (:meth:`seconds_per_batch`). Windows (elsewhere):
+    holds its settings): a 0.1 s settle (the counter watched meanwhile), then blocks of
+    0.15 s, enough of them that the counter's readings state each variant's error, more
+    where it exceeds 1.5%, and the wait for the counter's report: about 0.75 s for one
+    variant, 0.18 s each for ten, where the probe measured the counter's noise
+    (:meth:`seconds_per_batch`). Windows (elsewhere):
     3 repeats, at most 6, a spread
     (max - min over the median, of time and of energy) of at most 5%, no pause between
     repeats; with the NVML device's defaults (0.1 s settle after a clock change, windows of
@@ -189,13 +191,17 @@ class Protocol:
         (``multiplex.first_round``: enough of the counter's updates to state an error,
         however few the variants; fewer where the probe measured the counter's noise,
         ``noise_known``, as it does on an integrating counter), and the round's waits for
-        the counter (``multiplex.WAIT_UPDATES``). Rounds added for points above the
-        policy's ``max_error`` are not counted: how many a GPU needs is what it
-        measures."""
+        the counter: for a tick before the first block where no settle of an update or
+        more held one (``multiplex.WAIT_BEFORE_UPDATES``; the NVML device settles while it
+        watches the counter), and for the report after the last
+        (``WAIT_AFTER_UPDATES``). Rounds added for points above the policy's
+        ``max_error`` are not counted: how many a GPU needs is what it measures."""
         if not run_s:
             return settle_s * switched
         blocks, block_s = first_round(len(run_s), period_s, policy, noise_known=noise_known)
-        return (settle_s * switched + WAIT_UPDATES * period_s
+        settled = switched and settle_s >= period_s
+        waits = (0.0 if settled else WAIT_BEFORE_UPDATES) + WAIT_AFTER_UPDATES
+        return (settle_s * switched + waits * period_s
                 + sum(r + blocks * max(r, block_s) for r in run_s))
 
 

@@ -357,13 +357,21 @@ def workloads(runs: Sequence[Callable[[], object]]) -> list[Workload]:
 
 def test_measure_batch_multiplexes_where_the_counter_integrates() -> None:
     fake, _, timeline = fake_gpu(**COUNTER)
-    slept: list[float] = []
+    slept: list[tuple[float, bool]] = []
     runs = variants(timeline)
-    with device(fake, timer=time.perf_counter, sleep=slept.append,
+
+    def sleep(seconds: float) -> None:  # is the counter watched while the clock settles?
+        slept.append((seconds, any(t.name == "kareus-ticks" for t in threading.enumerate())))
+
+    with device(fake, timer=time.perf_counter, sleep=sleep,
                 counter=behaviour(integrates=True)) as gpu:
         assert gpu.estimates_error
         measured = gpu.measure_batch(workloads(runs), MHZ)
-        assert [s.mhz for s in gpu.clock_controller().switches] == [MHZ] and slept == [0.1]
+        assert [s.mhz for s in gpu.clock_controller().switches] == [MHZ]
+        # settled once, with the counter watched: its first tick comes during the settle
+        assert slept == [(0.1, True)]
+        gpu.measure_batch(workloads(runs[:1]), MHZ)
+        assert len(slept) == 1  # the same clock: no settle
     for run, m in zip(runs, measured):
         assert m.method == "nvml-multiplexed" and m.clock_mhz == MHZ
         assert m.energy_j == pytest.approx(run.true_energy_j(m.time_s), rel=0.02)

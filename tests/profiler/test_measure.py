@@ -123,11 +123,14 @@ def test_the_protocols_gpu_time_per_evaluation():
     (two, two_s), (one, one_s) = (first_round(n, 0.1, DEFAULT_POLICY, noise_known=True)
                                   for n in (2, 1))
     assert two < one  # a batch shares the readings its error needs
-    # (and the waits for the counter's report: two updates of 100 ms on average)
+    # (and the waits for the counter: 1.5 updates of 100 ms for its report on average,
+    # and half an update for a tick before the first block where no settle held one)
     assert Protocol().seconds_per_batch([0.01, 0.3]) == pytest.approx(
-        0.1 + 0.01 + two * two_s + 0.3 + two * 0.3 + 0.2)
+        0.1 + 0.01 + two * two_s + 0.3 + two * 0.3 + 0.15)
     assert Protocol().seconds_per_batch([0.01], switched=False) == pytest.approx(
         0.01 + one * one_s + 0.2)
+    assert Protocol().seconds_per_batch([0.01], settle_s=0.05) == pytest.approx(
+        0.05 + 0.01 + one * one_s + 0.2)  # a settle shorter than an update may hold none
     unknown, unknown_s = first_round(1, 0.1, DEFAULT_POLICY)
     assert unknown * unknown_s > one * one_s
     assert Protocol().seconds_per_batch([0.01], switched=False, noise_known=False) == (

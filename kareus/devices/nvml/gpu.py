@@ -16,6 +16,7 @@ workload gets windows long enough for the error a multiplexed estimate would hav
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
@@ -338,13 +339,16 @@ class NvmlGPU(Device, Closing):
                 self._windowed(w, clock_mhz, meter, agree if agree is not None else w.agree)
                 for w in workloads
             ]
-        locked = self._at_clock("measure:batch", clock_mhz)
+        behaviour = self.counter_behaviour()
+        switching = self._switching(clock_mhz)
+        locked = self._at_clock("measure:batch", clock_mhz, settle=False)
         result = self.meter.measure_many(
             runs,
             agree,
             batch_seed([workload.name for workload in workloads]),
-            period_s=self.counter_behaviour().update_period_s,
-            noise_mj=self.counter_behaviour().update_noise_mj,
+            period_s=behaviour.update_period_s,
+            noise_mj=behaviour.update_noise_mj,
+            lead_in=functools.partial(self._sleep, self._settle_s) if switching else None,
         )
         return [
             Measurement(
@@ -399,16 +403,26 @@ class NvmlGPU(Device, Closing):
             )
         return workload.run
 
-    def _at_clock(self, graph: str, clock_mhz: int) -> float:
-        """Set ``clock_mhz`` (settling after a switch): 1.0 where it is really locked, 0.0
-        where the GPU runs its default clocks (a dry run, or no permission)."""
-        requested = clock_mhz
+    def _requested(self, clock_mhz: int) -> int:
+        """What the controller is asked for at ``clock_mhz``: the default clocks where the
+        one search clock stands for them."""
         if self._clock_limitation is not None and clock_mhz == self.search_clocks()[0]:
-            requested = DEFAULT_CLOCK_MHZ  # the one search clock stands for the default clocks
-        switching = requested != self._controller.applied_mhz
+            return DEFAULT_CLOCK_MHZ
+        return clock_mhz
+
+    def _switching(self, clock_mhz: int) -> bool:
+        """Whether measuring at ``clock_mhz`` changes the clock (and must settle)."""
+        return self._requested(clock_mhz) != self._controller.applied_mhz
+
+    def _at_clock(self, graph: str, clock_mhz: int, *, settle: bool = True) -> float:
+        """Set ``clock_mhz`` (settling after a switch, unless the caller settles where it
+        watches the counter): 1.0 where it is really locked, 0.0 where the GPU runs its
+        default clocks (a dry run, or no permission)."""
+        requested = self._requested(clock_mhz)
+        switching = self._switching(clock_mhz)
         self._controller.set_clock(graph, requested)
         self._controller.flush()
-        if switching:
+        if switching and settle:
             self._sleep(self._settle_s)
         return float(not self.dry_run and requested != DEFAULT_CLOCK_MHZ)
 

@@ -122,10 +122,14 @@ MIN_FREEDOM = 8
 their variance s^2 is uncertain by sqrt(2 / freedom), half of it at 8 (fewer, and a lucky
 small residual would pass a poor fit as a precise one)."""
 
-WAIT_UPDATES = 2.0
-"""Counter updates a round waits besides its blocks, on average: half an update for a tick
-before its first block, and one and a half after its last, until a tick a whole update
-after it shows that the counter has reported the round (``_reported``)."""
+WAIT_BEFORE_UPDATES = 0.5
+"""Counter updates a round waits for a tick before its first block, on average, where no
+settle ran while the counter was watched (``multiplex(lead_in=...)``: a settle of an update
+or more holds a tick)."""
+
+WAIT_AFTER_UPDATES = 1.5
+"""Counter updates a round waits after its last block, on average: until a tick a whole
+update after it shows that the counter has reported the round (``_reported``)."""
 
 POOLED_FREEDOM = 2
 """Fewest intervals beyond the unknowns for an error to be stated where the counter's noise
@@ -537,13 +541,16 @@ def multiplex(
     cuda: bool = False,
     period_s: float | None = None,
     noise_mj: float | None = None,
+    lead_in: Callable[[], object] | None = None,
 ) -> Multiplexed:
     """Time and energy per run of each of ``runs``, run interleaved in blocks while
     ``read_mj`` (the energy counter, mJ) is polled; ``period_s`` is the counter's update
     period where known (else the median time between its ticks), ``noise_mj`` its noise
     per update where known (fewer readings then state an error). ``control`` runs in every
     round; ``seed`` (the same on every rank) draws the block order; ``agree`` (see the
-    module docstring) is called in the same order on every rank."""
+    module docstring) is called in the same order on every rank. ``lead_in`` runs once the
+    counter is watched, before the first block (a clock change's settle: the tick the
+    first block waits for comes during it, the GPU idle in the fit's gap)."""
     decide = agree or _alone
     rng = random.Random(seed)
     variants = len(runs)
@@ -552,6 +559,8 @@ def multiplex(
     first, block_s = first_round(variants, period_s, policy, noise_known=noise_mj is not None)
     counts = [first] * variants
     with TickRecorder(read_mj, timer, policy.poll_s) as recorder:
+        if lead_in is not None:
+            lead_in()
         for round_ in range(policy.max_rounds):
             sizes = [decide(runs_to_fill(per_run_s[v], block_s)) if count else 0
                      for v, count in enumerate(counts)]
