@@ -53,7 +53,7 @@ from kareus.reports import GraphReport, ReportBook, modelled_cost, print_options
 from kareus.runtime import process_runtime
 from kareus.runtime.communicators import graph_backend
 from kareus.runtime.materialise import GraphBuilder, agreed
-from kareus.runtime.pipelining import Detection, detect
+from kareus.runtime.pipelining import Detection, detect, unused_schedule
 from kareus.runtime.selectable import SelectableGraph
 from kareus.verify import Verifier
 from kareus.version import build
@@ -116,6 +116,7 @@ class KareusBackend:
         self._forwards: dict[int, ForwardInterfaces] = {}  # region -> its forward's interfaces
         self._stages: dict[int, int] = {}  # region -> the pipeline stage it was compiled for
         self._pipeline: PipelinePlanning | None = None
+        self._unused_schedule_said = False
         self.runtime.backends.add(self)
 
     @property
@@ -217,7 +218,12 @@ class KareusBackend:
 
     def _join_pipeline(self, region: int, found: Detection) -> None:
         """Where ``region`` is a pipeline stage's module: name its graphs by the stage and,
-        at the first, watch the pipeline's instructions and plan it as one."""
+        at the first, watch the pipeline's instructions and plan it as one. A
+        ``pipeline_schedule`` that does nothing is said once."""
+        unused = unused_schedule(found, self.options.pipeline_schedule, region)
+        if unused is not None and not self._unused_schedule_said:
+            self._unused_schedule_said = True
+            log.warning("kareus options: %s", unused)
         if found.stage is None:
             return
         self._stages[region] = found.stage

@@ -19,7 +19,12 @@ def main(argv: list[str] | None = None) -> int:
         level=(logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)],
         format="%(levelname)s %(name)s: %(message)s",
     )
-    return {"demo": _demo, "plan": _plan, "bench": _bench, "show": _show}[args.command](args)
+    command = {"demo": _demo, "plan": _plan, "bench": _bench, "show": _show}[args.command]
+    try:
+        return command(args)
+    except KeyboardInterrupt:  # one line, not a traceback: every output is written whole
+        print(f"kareus {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 def build_parser() -> argparse.ArgumentParser:

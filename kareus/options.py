@@ -97,7 +97,7 @@ class KareusOptions:
         default=None,
         metadata={
             "plans": False,
-            "validate": lambda value: _directory_problem(value),
+            "validate": lambda value: _path_problem(value),
             "accepted": "None | a Unix socket path",
             "doc": "zeusd's socket: where NVML denies this process clock changes, they go "
             "through Zeus's privileged daemon there (None: $ZEUSD_SOCK_PATH, if set)",
@@ -235,7 +235,7 @@ class KareusOptions:
         default=None,
         metadata={
             "plans": False,
-            "validate": lambda value: _directory_problem(value),
+            "validate": lambda value: _path_problem(value),
             "accepted": "None | a plan JSON path",
             "doc": "run the choices of a plan kareus wrote (kareus.current_plan(), the cache "
             "directory's plans/) instead of planning; refused for graphs it was not made for",
@@ -559,7 +559,7 @@ def _count_problem(value: object) -> str | None:
     return None if value >= 1 else "must be >= 1"
 
 
-def _directory_problem(value: object) -> str | None:
+def _path_problem(value: object) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str):
@@ -567,6 +567,16 @@ def _directory_problem(value: object) -> str | None:
     if "\0" in value:
         return "holds a NUL byte, which no path can"
     return None if value.strip() else "empty"
+
+
+def _directory_problem(value: object) -> str | None:
+    problem = _path_problem(value)
+    if problem is not None or value is None:
+        return problem
+    path = Path(str(value)).expanduser()
+    if path.exists() and not path.is_dir():
+        return f"{str(path)!r} is a file, not a directory (the profile store goes in one)"
+    return None
 
 
 def _accepted(f: dataclasses.Field) -> str:

@@ -67,8 +67,8 @@ def show(
     console: Console | None = None,
 ) -> Path:
     """Print the table of a plan or a profile store and write its plot; returns the PNG path
-    (``out``, inside it where it is a directory, else ``<target stem>.png`` beside the
-    target, ``<dir>/profiles.png`` for a directory)."""
+    (``out``, inside it where it is or is written as a directory, else ``<target
+    stem>.png`` beside the target, ``<dir>/profiles.png`` for a directory)."""
     for name, given in (("target", target), ("--out", out)):
         # Path("") is the current directory, which nobody means by an empty string.
         if given is not None and not os.fspath(given).strip():
@@ -77,9 +77,7 @@ def show(
     path = Path(target)
     console = console or make_console()
     store = _store_file(path)
-    png = _default_png(path) if out is None else Path(out)
-    if png.is_dir():
-        png = png / _default_png(path).name
+    png = _default_png(path) if out is None else _out_png(out, _default_png(path).name)
     if store is None:
         read = _read_plan_or_result(path)
         if isinstance(read, Plan):
@@ -127,6 +125,17 @@ def _is_sqlite(path: Path) -> bool:
     except sqlite3.Error as exc:
         raise ShowError(f"{path}: cannot read it ({exc})") from exc
     return True
+
+
+def _out_png(out: str | os.PathLike[str], name: str) -> Path:
+    """The PNG ``--out`` names: ``name`` inside it where it is a directory, or is written
+    as one (a trailing separator; made if missing); else the file, ``.png`` added where it
+    has no suffix (matplotlib adds it: the path said is the path written)."""
+    text = os.fspath(out)
+    png = Path(text)
+    if png.is_dir() or text.endswith(("/", os.sep)):
+        return png / name
+    return png if png.suffix else png.with_name(png.name + ".png")
 
 
 def _default_png(path: Path) -> Path:

@@ -81,6 +81,19 @@ def test_model_without_collectives_compiles_unchanged(lowering):
         assert report.collectives == () and report.partitions == () and report.notes == ()
 
 
+def test_a_pipeline_schedule_without_a_pipeline_is_said_to_do_nothing_once(caplog):
+    backend = KareusBackend({"lowering": "eager", "nanobatches": 1, "profile": "off",
+                             "pipeline_schedule": "1f1b"})
+    model = torch.compile(MLP(), backend=backend)
+    with caplog.at_level(logging.WARNING, logger="kareus"):
+        model(torch.randn(3, 8)).sum().backward()
+        torch.compile(MLP(), backend=backend)(torch.randn(3, 8))
+    said = [r.getMessage() for r in caplog.records if "pipeline_schedule" in r.getMessage()]
+    assert said == [("kareus options: pipeline_schedule='1f1b' does nothing for region "
+                    f"{said[0].split('region ')[1].split(':')[0]}: it compiles outside any "
+                    "pipeline stage (torch.distributed.pipelining)")]
+
+
 def test_clock_switch_is_pinned_at_graph_entry_in_inductor_code(fake_pg):
     model = torch.compile(tp_llama(2), backend="kareus",
                           options={"nanobatches": 1, "profile": "off"})

@@ -58,6 +58,47 @@ def test_a_bad_budget_or_target_is_refused_before_anything_runs(capsys, tmp_path
     assert "missing.json: no such file or directory" in capsys.readouterr().out
 
 
+def test_a_cache_dir_that_is_a_file_is_one_line_before_tracing(capsys, tmp_path):
+    (tmp_path / "store").write_text("a file")
+    assert main(["plan", "llama3.2-1b", "--cache-dir", str(tmp_path / "store"),
+                 "--json", str(tmp_path / "r.json")]) == 2
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and out[0].startswith("kareus plan: kareus option 'cache_dir'")
+    assert f"'{tmp_path / 'store'}' is a file, not a directory" in out[0]
+    assert not (tmp_path / "r.json").exists()
+
+
+@pytest.mark.parametrize("device", ["nvml", "nvml-dry-run", "auto"])
+def test_kareus_plan_on_a_real_gpu_says_an_offline_plan_needs_a_simulated_one(capsys, tmp_path,
+                                                                              device):
+    assert main(["plan", "llama3.2-1b", "--device", device,
+                 "--json", str(tmp_path / "r.json")]) == 2
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and out[0].startswith(f"kareus plan: Bad device '{device}'")
+    assert "fake tensors, which no real GPU runs" in out[0] and "Install" not in out[0]
+
+
+def test_kareus_plan_says_a_budget_that_constrains_nothing(capsys, tmp_path):
+    assert main(["plan", "llama3.2-1b", "--tp", "2", "--seq-len", "128", "--microbatch-size",
+                 "1", "--microbatches", "2", "--energy-budget", "1 Wh", "--cache-dir",
+                 str(tmp_path / "c"), "--json", str(tmp_path / "r.json")]) == 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
+    assert notes == [notes[0]] and notes[0].startswith(
+        "note: the energy budget 3600 J per iteration constrains nothing: every plan meets it")
+
+
+def test_ctrl_c_is_one_line_and_status_130(capsys, monkeypatch):
+    from kareus.offline import cli as offline
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(offline, "plan_command", interrupted)
+    assert main(["plan", "llama3.2-1b"]) == 130
+    captured = capsys.readouterr()
+    assert captured.err == "kareus plan: interrupted\n" and "Traceback" not in captured.out
+
+
 def test_show_refuses_an_empty_target_and_an_unwritable_out(capsys, tmp_path):
     assert main(["show", ""]) == 2
     out = capsys.readouterr().out
@@ -206,6 +247,11 @@ def test_kareus_plan_help_shows_the_defaults_the_issue_named(capsys):
                             ("--search", "grid")]:
         entry = option_help(subcommands()["plan"], option)
         assert entry.endswith(f"(default:{default})"), entry
+    # --plan-json is written with or without pipeline parallelism (costs per GPU, or per
+    # iteration of one replica), as --pp 2 shows
+    plan_json = option_help(subcommands()["plan"], "--plan-json")
+    assert "withpipelineparallelismperiterationofonereplica" in plan_json
+    assert "withoutpipeline" not in plan_json
 
 
 def test_kareus_version_prints_the_version(capsys):

@@ -120,6 +120,19 @@ def test_plan_to_a_given_png(tmp_path):
     assert_png(png)
 
 
+def test_the_png_said_is_the_png_written(tmp_path):
+    """A trailing separator names a directory (made); a name without a suffix gets .png,
+    as matplotlib writes it: the path printed exists."""
+    path = make_plan().save(tmp_path / "plan.json")
+    into = show(str(path), out=f"{tmp_path / 'dir' / 'sub'}/", console=console())
+    assert into == tmp_path / "dir" / "sub" / "plan.png"
+    assert_png(into)
+    bare = show(str(path), out=str(tmp_path / "dir" / "plot"), console=console())
+    assert bare == tmp_path / "dir" / "plot.png"
+    assert_png(bare)
+    assert sorted(p.name for p in (tmp_path / "dir").iterdir()) == ["plot.png", "sub"]
+
+
 # -- a pipeline's plan ----------------------------------------------------------------------
 
 FORWARD_S, BACKWARD_S = 2e-3, 4e-3
@@ -138,13 +151,14 @@ TIMELINE = [
 ]
 
 
-def make_pipeline_plan(device: str = "sim:h200", model_version: str | None = "sim-v2") -> Plan:
-    dag = one_f_one_b(2, 4)
+def make_pipeline_plan(device: str = "sim:h200", model_version: str | None = "sim-v2",
+                       stages: int = 2) -> Plan:
+    dag = one_f_one_b(stages, 4)
     durations = [FORWARD_S if i.kind == "forward" else BACKWARD_S for i in dag.instructions]
     starts, makespan = schedule(dag, durations)
     instructions = []
     for i, start, time_s in zip(dag.instructions, starts, durations, strict=True):
-        clock = CLOCKS[i.stage, i.kind]
+        clock = CLOCKS.get((i.stage, i.kind), 0)
         k, calls = (2, 4) if i.kind == "forward" else (1, 2)
         graph = InstructionGraph(f"region0/{i.kind}", i.kind[0] * 16, calls,
                                  Choice(k, clock, ((1, 16),) if k > 1 else ()))
@@ -158,7 +172,7 @@ def make_pipeline_plan(device: str = "sim:h200", model_version: str | None = "si
         frequency_only=(StepCost(0.028, 10.0),),
         device=device,
         model_version=model_version,
-        pipeline=PipelineLayout("1f1b", 2, 2, 4),
+        pipeline=PipelineLayout("1f1b", stages, stages, 4),
         instructions=tuple(instructions),
     )
 
@@ -241,11 +255,10 @@ def test_a_measured_devices_pipeline_plan_is_not_called_modelled():
 
 
 def test_interleaved_ranks_run_every_ranks_th_stage_at_default_clocks(tmp_path):
-    plan = make_pipeline_plan()
+    plan = make_pipeline_plan(stages=4)
     plan = dataclasses.replace(
         plan, pipeline=PipelineLayout("interleaved_1f1b", 4, 2, 4),
-        instructions=tuple(dataclasses.replace(i, stage=i.stage + 2 * (i.microbatch % 2),
-                                               clock_mhz=0) for i in plan.instructions))
+        instructions=tuple(dataclasses.replace(i, clock_mhz=0) for i in plan.instructions))
     fig = _plan_figure(plan)
     assert len(fig.axes) == 2  # no clock but the default: no colorbar
     timeline = fig.axes[0]
@@ -272,6 +285,30 @@ def test_a_pipeline_plan_round_trips(tmp_path):
     assert loaded.instruction(1, 2, "backward") == plan.instructions[
         next(n for n, i in enumerate(plan.instructions)
              if (i.stage, i.microbatch, i.kind) == (1, 2, "backward"))]
+
+
+def test_a_pipeline_plan_missing_instructions_is_refused_by_load_and_show(tmp_path):
+    """A plan hand-cut to 3 of its 16 instructions would still say the whole iteration's
+    time and energy: refused, saying what is missing (and what is stray or twice)."""
+    raw = json.loads(make_pipeline_plan().to_json())
+    raw["instructions"] = raw["instructions"][:3]
+    path = tmp_path / "cut.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(PlanError, match=r"cut.json: instructions: a pipeline of 2 stages and 4 "
+                       r"microbatches runs 16 instructions .* the plan holds 3: missing 13: "):
+        Plan.load(path)
+    with pytest.raises(ShowError, match="the plan holds 3: missing 13"):
+        show(path, console=console())
+    raw = json.loads(make_pipeline_plan().to_json())
+    raw["instructions"][1] = dict(raw["instructions"][0])
+    path.write_text(json.dumps(raw))
+    with pytest.raises(PlanError, match=r"missing 1: .*; given twice 1: \[\(0, 0, 'forward'\)"):
+        Plan.load(path)
+    raw = json.loads(make_plan().to_json())
+    raw["instructions"] = json.loads(make_pipeline_plan().to_json())["instructions"][:1]
+    path.write_text(json.dumps(raw))
+    with pytest.raises(PlanError, match="instructions: 1 without a pipeline layout"):
+        Plan.load(path)
 
 
 @pytest.mark.parametrize("field, value, problem", [

@@ -11,12 +11,13 @@ from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
-from kareus.devices.resolve import check_device
+from kareus.devices.errors import DeviceSpecError
+from kareus.devices.resolve import ACCEPTED_DEVICES, check_device
 from kareus.offline import report
 from kareus.offline.models import artifact_first_stage_layers, resolve_model
 from kareus.offline.report import OutputError
 from kareus.offline.workload import Workload, WorkloadError
-from kareus.planner.budget import Budget
+from kareus.planner.budget import Budget, constrains_nothing
 from kareus.version import __version__
 
 if TYPE_CHECKING:
@@ -60,6 +61,10 @@ def first_stage_layers(text: str | None, name: str, pp: int) -> int | None:
                             f"got {text!r}") from None
 
 
+REAL_DEVICES = ("auto", "nvml", "nvml-dry-run")
+"""Devices a compile measures by running graphs: none can plan an offline trace."""
+
+
 def traced_words(workload: Workload) -> str:
     """What was traced, beyond the shapes: the layout and each stage's layers."""
     shares = "/".join(str(len(r)) for r in workload.stage_layers)
@@ -96,6 +101,11 @@ def plan_command(args: argparse.Namespace, budget: dict[str, Any], console: Cons
     from kareus.offline.plan import plan_offline, step_plan
 
     workload = workload_of(args)
+    if args.device in REAL_DEVICES:
+        raise DeviceSpecError(args.device, ACCEPTED_DEVICES[3:], (
+            "kareus plan traces the model on fake tensors, which no real GPU runs: plan "
+            "offline on a simulated GPU or a GPU .json; to measure a real GPU, compile the "
+            "model with backend=\"kareus\" on it (device \"nvml\")"))
     check_device(args.device)
     chosen_budget = Budget.parse(**budget)
     result, png, plan_json = output_paths(args)
@@ -109,6 +119,10 @@ def plan_command(args: argparse.Namespace, budget: dict[str, Any], console: Cons
     elapsed = time.perf_counter() - start
     data = {**result_json(plan), "seconds": elapsed, "kareus_version": __version__}
     console.print(traced_words(workload), markup=False)
+    idle = constrains_nothing(plan.frontiers["kareus"], plan.baseline, chosen_budget,
+                              per="iteration")
+    if idle:
+        console.print(f"note: {idle}", markup=False, highlight=False, soft_wrap=True)
     console.print(report.frontier_table(data))
     console.print(report.metrics_table(report.metrics_rows(data["metrics"])))
     step, what = step_plan(plan, __version__)

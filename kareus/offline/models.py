@@ -188,7 +188,12 @@ def _check_decoder(path: Path, cfg: Any, transformers: Any) -> None:
             f"{type(exc).__name__}: {exc}"
         ) from exc
     layers = getattr(getattr(model, "model", None), "layers", None)
-    if not isinstance(layers, torch.nn.ModuleList) or not len(layers):
+    if isinstance(layers, torch.nn.ModuleList) and not len(layers):
+        raise HFConfigError(
+            f"{path}: num_hidden_layers is {getattr(cfg, 'num_hidden_layers', 0)!r}: a model "
+            "with no decoder layer has nothing to overlap"
+        )
+    if not isinstance(layers, torch.nn.ModuleList):
         raise HFConfigError(
             f"{path}: a {cfg.model_type!r} config builds {type(model).__name__}, not a "
             "decoder LM with model.layers (kareus traces Llama-family decoders)"

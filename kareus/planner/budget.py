@@ -148,10 +148,12 @@ def choose(
     raise BudgetError(_unmet(frontier, baseline, budget, limit))
 
 
-def constrains_nothing(frontier: Sequence[Cost], baseline: Cost, budget: Budget) -> str | None:
+def constrains_nothing(frontier: Sequence[Cost], baseline: Cost, budget: Budget,
+                       per: str = "step") -> str | None:
     """Why an energy or time ``budget`` changes nothing, or None: every point of the
-    step's ``frontier`` meets it (legitimate, a fraction above 1 lets a faster plan spend
-    more, but a bound nothing reaches is likely a slip, such as 50 for 0.50)."""
+    ``per`` (step, iteration) ``frontier`` meets it (legitimate, a fraction above 1 lets a
+    faster plan spend more, but a bound nothing reaches is likely a slip, such as 50 for
+    0.50)."""
     if budget.kind not in ("energy", "time") or not frontier:
         return None
     measure, unit = _bounded(budget)
@@ -160,7 +162,7 @@ def constrains_nothing(frontier: Sequence[Cost], baseline: Cost, budget: Budget)
         return None
     runs = ("the fastest plan runs, as without a budget" if budget.kind == "energy"
             else "the least-energy plan runs, whatever its time")
-    return (f"the {budget.kind} budget {asked(budget, baseline, limit)} per step constrains "
+    return (f"the {budget.kind} budget {asked(budget, baseline, limit)} per {per} constrains "
             f"nothing: every plan meets it (the most any takes is {high:.4g} {unit}); {runs}")
 
 

@@ -470,6 +470,7 @@ def _check_plan(raw: object, source: str) -> None:
                 f"ranks below world_size {measured['world_size']} that include rank "
                 f"{measured['rank']}"
             )
+    _check_instructions(raw["pipeline"], raw["instructions"], source)
     budget = raw["budget"]
     given = (budget["value"] is not None, budget["fraction"] is not None)
     if given not in _BUDGET_FORMS[budget["kind"]] or (
@@ -479,6 +480,34 @@ def _check_plan(raw: object, source: str) -> None:
             "value nor a fraction; tradeoff: a value in [0, 1]; energy or time: a value or a "
             "fraction)"
         )
+
+
+def _check_instructions(pipeline: Mapping[str, Any] | None, instructions: list[Any],
+                        source: str) -> None:
+    """Refuse a pipeline plan that does not hold every instruction of its layout once (each
+    stage's forward and backward of every microbatch), and instructions without a
+    pipeline: its predicted time and energy are those of the whole iteration."""
+    found = [(i["stage"], i["microbatch"], i["kind"]) for i in instructions]
+    if pipeline is None:
+        if found:
+            raise PlanError(f"{source}: instructions: {len(found)} without a pipeline layout "
+                            "(pipeline is null)")
+        return
+    expected = {(stage, microbatch, kind) for stage in range(pipeline["stages"])
+                for microbatch in range(pipeline["microbatches"])
+                for kind in ("forward", "backward")}
+    missing = sorted(expected - set(found))
+    stray = sorted(set(found) - expected)
+    twice = sorted({i for i in found if found.count(i) > 1})
+    if missing or stray or twice:
+        said = [f"{what} {len(which)}: {reprlib.repr(which)}" for what, which in
+                (("missing", missing), ("outside the layout", stray), ("given twice", twice))
+                if which]
+        raise PlanError(
+            f"{source}: instructions: a pipeline of {pipeline['stages']} stages and "
+            f"{pipeline['microbatches']} microbatches runs {len(expected)} instructions (each "
+            f"stage's forward and backward of every microbatch); the plan holds {len(found)}: "
+            f"{'; '.join(said)} (stage, microbatch, kind)")
 
 
 def _check(value: object, spec: _Spec, path: str, source: str) -> None:

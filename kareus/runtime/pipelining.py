@@ -84,6 +84,21 @@ class Detection:
     schedule: Any = None
 
 
+def unused_schedule(found: Detection, schedule: str | None, region: int) -> str | None:
+    """Why the ``pipeline_schedule`` option, given, does nothing for ``region`` (None:
+    it is used, or not given): the region compiles outside any pipeline stage, or in a
+    pipeline of one stage, where every schedule runs its microbatches in turn."""
+    if schedule is None:
+        return None
+    if found.stage is None:
+        return (f"pipeline_schedule={schedule!r} does nothing for region {region}: it compiles "
+                "outside any pipeline stage (torch.distributed.pipelining)")
+    if found.shape is not None and found.shape.stages == 1:
+        return (f"pipeline_schedule={schedule!r} does nothing: the pipeline has one stage, "
+                "where every schedule runs its microbatches in turn")
+    return None
+
+
 def detect(frame: FrameType | None = None, *, schedule: str | None = None,
            microbatches: int | None = None) -> Detection:
     """The pipeline whose stage is compiling now, from the frames of the calling thread:

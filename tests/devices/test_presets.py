@@ -93,8 +93,20 @@ def test_json_spec_overrides_a_base_preset(tmp_path):
             {"base": "sim:h200", "name": "x", "gemm_efficiency": 1.5},
             r"gemm_efficiency must be a finite number in \(0, 1\], got 1.5",
         ),
-        ({"base": "sim:h200", "name": "x", "tdp_w": 100}, "invalid tdp_w=100"),
-        ({"base": "sim:h200", "name": "x", "search_step_mhz": 20}, "invalid search_step_mhz=20"),
+        (
+            {"base": "sim:h200", "name": "x", "tdp_w": 100},
+            r"invalid tdp_w=100: needs tdp_w > static_power_w \(static_power_w=",
+        ),
+        (
+            {"base": "sim:h200", "name": "x", "search_step_mhz": 20},
+            (r"invalid search_step_mhz=20: needs search_step_mhz % clock_step_mhz == 0 "
+            r"\(clock_step_mhz=15\)"),
+        ),
+        (  # the relation a minimum clock above the maximum breaks, with both values
+            {"base": "sim:h200", "name": "x", "min_clock_mhz": 2100},
+            (r"invalid min_clock_mhz=2100: needs min_clock_mhz <= max_clock_mhz "
+            r"\(max_clock_mhz=1980\)"),
+        ),
         (
             {"base": "sim:h200", "name": "x", "bus_bytes_per_s": {"all_reduce": 1e9}},
             "bus_bytes_per_s must map each of",

@@ -126,6 +126,15 @@ def test_a_non_decoder_config_is_refused_naming_the_file(transformers, tmp_path)
         from_hf_config(path)
 
 
+def test_a_config_with_no_layers_is_refused_for_that(transformers, tmp_path):
+    transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                             intermediate_size=96, num_hidden_layers=0).save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    with pytest.raises(HFConfigError, match=f"{path}: num_hidden_layers is 0: a model with no "
+                                            "decoder layer"):
+        from_hf_config(path)
+
+
 def test_shapes_the_llama_cannot_run_are_refused_naming_the_file(transformers, tmp_path):
     transformers.LlamaConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=3,
                              head_dim=8, num_hidden_layers=1).save_pretrained(tmp_path)

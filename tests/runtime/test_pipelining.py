@@ -23,6 +23,7 @@ from kareus.runtime.pipelining import (
     PipelineHintError,
     PipelineShape,
     detect,
+    unused_schedule,
 )
 
 
@@ -173,3 +174,14 @@ def _compile_in_with(self, schedule, microbatches):
 
 def _step_with(self, stage, schedule, microbatches):
     return _compile_in_with(stage, schedule, microbatches)
+
+
+def test_a_pipeline_schedule_that_does_nothing_says_why():
+    no_pipeline = Detection(None, None)
+    assert unused_schedule(no_pipeline, None, 3) is None  # not given
+    assert "does nothing for region 3: it compiles outside any pipeline stage" in (
+        unused_schedule(no_pipeline, "1f1b", 3))
+    one = Detection(PipelineShape("1f1b", 1, 1, 4, (0,)), 0)
+    assert "the pipeline has one stage" in unused_schedule(one, "gpipe", 0)
+    two = Detection(PipelineShape("1f1b", 2, 2, 4, (0,)), 0)
+    assert unused_schedule(two, "1f1b", 0) is None  # used

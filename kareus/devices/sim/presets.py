@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -284,6 +285,11 @@ def _check_range(spec_name: object, field: str, value: object, accepted: _Range)
         )
 
 
+def _terms(relation: str) -> list[str]:
+    """The words of a relation, in order (the spec's fields and properties among them)."""
+    return list(dict.fromkeys(re.findall(r"[a-z_]+", relation)))
+
+
 def _validate(spec: GPUSpec) -> None:
     """Reject values the model cannot use, naming the field, the value and the range."""
     for text in ("name", "model_version"):
@@ -307,27 +313,39 @@ def _validate(spec: GPUSpec) -> None:
                 _check_range(spec.name, f"{name}[{kind!r}]", value[kind], accepted)
         else:
             _check_range(spec.name, name, value, accepted)
-    # Relations between fields (each field is now finite and in its range).
+    # Relations between fields (each field is now finite and in its range): the field
+    # blamed, the relation it breaks, whether it holds.
     checks = [
-        ("measured_gemm_tflops", spec.sustained_gemm_mhz <= spec.max_clock_mhz),
-        ("tdp_w", spec.tdp_w > spec.static_power_w),
-        ("reference_power_w", spec.reference_power_w > spec.static_power_w),
-        ("idle_power_w", spec.idle_power_w <= spec.static_power_w),
-        ("v_floor", spec.v_floor <= spec.v_max),
-        ("min_clock_mhz", spec.min_clock_mhz <= spec.max_clock_mhz),
-        ("clock_step_mhz", (spec.max_clock_mhz - spec.min_clock_mhz) % spec.clock_step_mhz == 0),
-        ("knee_mhz", spec.min_clock_mhz <= spec.knee_mhz < spec.max_clock_mhz),
-        ("search_step_mhz", spec.search_step_mhz % spec.clock_step_mhz == 0),
-        ("search_min_mhz", spec.min_clock_mhz <= spec.search_min_mhz <= spec.max_clock_mhz),
-        ("default_comm_sms", spec.default_comm_sms < spec.sm_count),
-        ("saturating_comm_sms", max(spec.saturating_comm_sms.values()) < spec.sm_count),
+        ("measured_gemm_tflops", "sustained_gemm_mhz <= max_clock_mhz",
+         spec.sustained_gemm_mhz <= spec.max_clock_mhz),
+        ("tdp_w", "tdp_w > static_power_w", spec.tdp_w > spec.static_power_w),
+        ("reference_power_w", "reference_power_w > static_power_w",
+         spec.reference_power_w > spec.static_power_w),
+        ("idle_power_w", "idle_power_w <= static_power_w",
+         spec.idle_power_w <= spec.static_power_w),
+        ("v_floor", "v_floor <= v_max", spec.v_floor <= spec.v_max),
+        ("min_clock_mhz", "min_clock_mhz <= max_clock_mhz",
+         spec.min_clock_mhz <= spec.max_clock_mhz),
+        ("clock_step_mhz", "(max_clock_mhz - min_clock_mhz) % clock_step_mhz == 0",
+         (spec.max_clock_mhz - spec.min_clock_mhz) % spec.clock_step_mhz == 0),
+        ("knee_mhz", "min_clock_mhz <= knee_mhz < max_clock_mhz",
+         spec.min_clock_mhz <= spec.knee_mhz < spec.max_clock_mhz),
+        ("search_step_mhz", "search_step_mhz % clock_step_mhz == 0",
+         spec.search_step_mhz % spec.clock_step_mhz == 0),
+        ("search_min_mhz", "min_clock_mhz <= search_min_mhz <= max_clock_mhz",
+         spec.min_clock_mhz <= spec.search_min_mhz <= spec.max_clock_mhz),
+        ("default_comm_sms", "default_comm_sms < sm_count",
+         spec.default_comm_sms < spec.sm_count),
+        ("saturating_comm_sms", "every saturating_comm_sms < sm_count",
+         max(spec.saturating_comm_sms.values()) < spec.sm_count),
     ]
-    bad = [name for name, ok in checks if not ok]
+    bad = [(name, relation) for name, relation, ok in checks if not ok]
     if bad:
-        raise GPUSpecError(
-            f"GPU spec {spec.name!r}: invalid "
-            + ", ".join(f"{name}={getattr(spec, name)!r}" for name in bad)
-        )
+        raise GPUSpecError(f"GPU spec {spec.name!r}: " + "; ".join(
+            f"invalid {name}={getattr(spec, name)!r}: needs {relation} ("
+            + ", ".join(f"{term}={getattr(spec, term)!r}" for term in _terms(relation)
+                        if term != name and hasattr(spec, term)) + ")"
+            for name, relation in bad))
     clocks = (spec.max_clock_mhz - spec.min_clock_mhz) // spec.clock_step_mhz + 1
     if clocks > MAX_CLOCKS:
         raise GPUSpecError(
