@@ -13,7 +13,8 @@ from rich.console import Console
 
 from kareus.devices.errors import DeviceSpecError
 from kareus.devices.resolve import ACCEPTED_DEVICES, check_device
-from kareus.offline import report
+from kareus.devices.sim.presets import load_preset
+from kareus.offline import memory, report
 from kareus.offline.models import artifact_first_stage_layers, resolve_model
 from kareus.offline.report import OutputError
 from kareus.offline.workload import Workload, WorkloadError
@@ -107,6 +108,11 @@ def plan_command(args: argparse.Namespace, budget: dict[str, Any], console: Cons
             "offline on a simulated GPU or a GPU .json; to measure a real GPU, compile the "
             "model with backend=\"kareus\" on it (device \"nvml\")"))
     check_device(args.device)
+    short = memory.estimate(workload, args.schedule).shortfall(
+        load_preset(args.device).memory_bytes)
+    if short is not None:
+        console.print(f"warning: {workload.name} does not fit the GPU's memory: {short}; "
+                      "planned as asked", markup=False, highlight=False, soft_wrap=True)
     chosen_budget = Budget.parse(**budget)
     result, png, plan_json = output_paths(args)
     for path in (result, png, plan_json):

@@ -62,6 +62,7 @@ class GPUSpec:
     kernel_floor_s: float  # shortest time any kernel takes
     launch_overhead_s: float  # GPU idle between two kernels of one stream
     # -- memory
+    memory_bytes: float  # datasheet HBM capacity: what a workload's state must fit in
     hbm_bytes_per_s: float  # datasheet HBM bandwidth
     hbm_efficiency: float  # measured device-local copy (half read, half write) / datasheet
     hbm_read_only_factor: float  # read-only stream bandwidth / copy bandwidth
@@ -204,6 +205,8 @@ _IDLE_WATTS = _non_negative(5000)
 _MHZ = _count(10_000)
 # HBM3e reaches 8 TB/s (B200), NVLink 5 1.8 TB/s per GPU: 100 TB/s bounds both.
 _BYTES_PER_S = _positive(1e14)
+# B200 holds 192 GB of HBM (GB300: 288); 10 TB is out of reach of any package.
+_MEMORY_BYTES = _positive(1e13)
 # cuBLAS and FlashAttention tiles are 64-256 rows: one CTA's shared memory holds no more
 # than a few thousand rows.
 _TILE = _count(4096)
@@ -237,6 +240,7 @@ _RANGES: dict[str, _Range] = {
     "fp32_activity": _FRACTION,
     "kernel_floor_s": _SHORT_S,  # a kernel's bytes are divided by its duration
     "launch_overhead_s": _SHORT_GAP_S,
+    "memory_bytes": _MEMORY_BYTES,
     "hbm_bytes_per_s": _BYTES_PER_S,
     "hbm_efficiency": _FRACTION,
     "hbm_read_only_factor": _RATIO,
@@ -515,6 +519,7 @@ A100_SXM4_40GB = GPUSpec(
     # in the model): 98.5% of that peak.
     fp32_flop_per_clk=108 * 64 * 2,
     fp32_efficiency=19.2e12 / (108 * 64 * 2 * 1410e6),
+    memory_bytes=40e9,  # REF s3 (A100 SXM4 40GB)
     hbm_bytes_per_s=1.555e12,  # REF s3
     # CAL (PTsolvers/gpu-workshop-JuliaCon23 issue 7): 1.355 TB/s memcpy on A100 40GB.
     hbm_efficiency=1.355 / 1.555,
@@ -560,6 +565,7 @@ H100_SXM = GPUSpec(
     # (zzc0721): fp32 matmul with TF32 off 52.1 TFLOP/s at default clocks: 78% of that.
     fp32_flop_per_clk=132 * 128 * 2,
     fp32_efficiency=52.1e12 / (132 * 128 * 2 * 1980e6),
+    memory_bytes=80e9,  # REF s3 (H100 SXM5 80GB)
     hbm_bytes_per_s=3.35e12,  # REF s3
     # CAL (ml-engineering network/README.md; NVIDIA/nccl issue 1264): 2.49-2.53 TB/s copy.
     hbm_efficiency=2.51 / 3.35,
@@ -614,6 +620,7 @@ H200 = dataclasses.replace(
     H100_SXM,  # same GH100 die, SMs, clocks, TDP and NVLink (REF s3)
     name="sim:h200",
     measured_gemm_tflops=790.3,  # CAL (zzc0721): square bf16 matmul; derived 1546 MHz
+    memory_bytes=141e9,  # REF s3 (H200 SXM 141GB)
     hbm_bytes_per_s=4.8e12,  # REF s3
     # CAL (tile-ai/TileOPs hbm_peak.csv): copy_ of 2 GiB moves 4255 GB/s of HBM traffic.
     hbm_efficiency=4.255 / 4.8,
