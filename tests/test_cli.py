@@ -99,6 +99,24 @@ def test_ctrl_c_is_one_line_and_status_130(capsys, monkeypatch):
     assert captured.err == "kareus plan: interrupted\n" and "Traceback" not in captured.out
 
 
+def test_solving_shows_a_spinner_with_the_seconds_on_a_terminal_only():
+    import io
+
+    from rich.console import Console
+
+    from kareus.models.llama import LlamaConfig
+    from kareus.offline.cli import solving
+    from kareus.offline.workload import Workload
+
+    workload = Workload(LlamaConfig(), "m", pp=2, microbatches=4, seq=64)
+    for terminal in (True, False):
+        out = io.StringIO()
+        with solving(Console(file=out, force_terminal=terminal, width=120), workload):
+            pass
+        shown = "solving the plans of 2 stage(s) x 4 microbatches" in out.getvalue()
+        assert shown == terminal
+
+
 def test_show_refuses_an_empty_target_and_an_unwritable_out(capsys, tmp_path):
     assert main(["show", ""]) == 2
     out = capsys.readouterr().out

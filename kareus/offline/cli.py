@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from kareus.devices.errors import DeviceSpecError
 from kareus.devices.resolve import ACCEPTED_DEVICES, check_device
@@ -98,8 +99,21 @@ def output_paths(args: argparse.Namespace) -> tuple[Path, Path, Path]:
     return result, png, plan_json
 
 
+def solving(console: Console, workload: Workload) -> Progress:
+    """A spinner with the seconds elapsed while the iteration's plans are solved (each
+    method's frontier, a solve a point: a minute or more for a deep pipeline), gone once
+    they are: never a silent wait. Ctrl-C stops it (``planner.pipeline.stoppable``)."""
+    progress = Progress(SpinnerColumn(), TextColumn("{task.description}"),
+                        TimeElapsedColumn(), console=console, transient=True,
+                        disable=not console.is_terminal)
+    progress.add_task(f"solving the plans of {workload.pp} stage(s) x {workload.microbatches} "
+                      "microbatches for each method (Ctrl-C stops)", total=None)
+    return progress
+
+
 def plan_command(args: argparse.Namespace, budget: dict[str, Any], console: Console) -> None:
     from kareus.offline.plan import plan_offline, step_plan
+    from kareus.offline.trace import trace_stages
 
     workload = workload_of(args)
     if args.device in REAL_DEVICES:
@@ -118,10 +132,11 @@ def plan_command(args: argparse.Namespace, budget: dict[str, Any], console: Cons
     for path in (result, png, plan_json):
         report.writable(path)
     start = time.perf_counter()
-    plan = plan_offline(workload, args.device, chosen_budget, schedule=args.schedule,
-                        cache_dir=args.cache_dir, search=args.search,
-                        search_budget=args.search_budget,
-                        max_solve_s=args.max_solve_s or None)
+    stages = trace_stages(workload, args.device, cache_dir=args.cache_dir, search=args.search,
+                          search_budget=args.search_budget)
+    with solving(console, workload):
+        plan = plan_offline(workload, args.device, chosen_budget, schedule=args.schedule,
+                            stages=stages, max_solve_s=args.max_solve_s or None)
     elapsed = time.perf_counter() - start
     data = {**result_json(plan), "seconds": elapsed, "kareus_version": __version__}
     console.print(traced_words(workload), markup=False)

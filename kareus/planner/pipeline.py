@@ -59,12 +59,14 @@ a continuous relaxation and ships wheels for few Python versions and platforms.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import graphlib
 import itertools
 import math
+import threading
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
@@ -75,6 +77,7 @@ from kareus.planner.budget import Budget, BudgetError, asked, limit_of
 from kareus.planner.compose import FrontierPoint, Switch, clock_of, fronts_by
 
 KINDS = ("forward", "backward")
+_T = TypeVar("_T")
 
 Options = Mapping[tuple[int, str], Sequence[FrontierPoint]]
 """The options of every (stage, kind): each microbatch's instruction of that stage and kind
@@ -466,6 +469,30 @@ def least_tradeoff(
     return _Solver(dag, options, model, max_solve_s, best_found).least_tradeoff(eta, max_power_w)
 
 
+def stoppable(solve: Callable[[], _T], poll_s: float = 0.1) -> _T:
+    """``solve()`` on a thread this one waits for in short joins. HiGHS releases the GIL
+    but does not return to Python until it ends (up to ``max_solve_s``, or an hour
+    unbounded), so a Ctrl-C on the thread that called it would wait for the whole solve;
+    here the wait ends at once with the ``KeyboardInterrupt``, and the abandoned solve,
+    on a daemon thread, ends with the process."""
+    found: list[_T] = []
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            found.append(solve())
+        except BaseException as exc:  # noqa: BLE001 - raised again on the caller's thread
+            failed.append(exc)
+
+    worker = threading.Thread(target=run, name="kareus-highs", daemon=True)
+    worker.start()
+    while worker.is_alive():
+        worker.join(poll_s)
+    if failed:
+        raise failed[0]
+    return found[0]
+
+
 def solve_budget(
     dag: PipelineDag,
     options: Options,
@@ -753,9 +780,10 @@ class _Solver:
         options: dict[str, float] = {"mip_rel_gap": 0.0}
         if self.max_solve_s is not None:
             options["time_limit"] = self.max_solve_s
-        result = milp(objective, integrality=self.integrality,
-                      bounds=Bounds(np.zeros(len(upper)), upper),
-                      constraints=constraints, options=options)
+        result = stoppable(functools.partial(
+            milp, objective, integrality=self.integrality,
+            bounds=Bounds(np.zeros(len(upper)), upper), constraints=constraints,
+            options=options))
         if result.status == 2:
             return None
         gap = result.get("mip_gap")
