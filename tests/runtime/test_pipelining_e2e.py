@@ -268,7 +268,9 @@ def test_a_second_run_reuses_the_stored_plan_and_one_for_another_pipeline_is_ref
     assert first[0]["plan"] is not None
     assert [r["plan"] for r in second] == [first[0]["plan"]] * 2
     plan = json.loads(first[0]["plan"])
-    plan["pipeline"]["microbatches"] = 8
+    plan["pipeline"]["microbatches"] = 8  # a whole plan of 8: the instructions of 4 more
+    plan["instructions"] += [{**i, "microbatch": i["microbatch"] + 4}
+                             for i in plan["instructions"]]
     path = tmp_path / "other.json"
     path.write_text(json.dumps(plan))
     refused = _run(tmp_path, case={"steps": 1, "report_error": True}, plan=str(path),
