@@ -14,7 +14,6 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from kareus.devices.errors import DeviceSpecError
 from kareus.devices.resolve import ACCEPTED_DEVICES, check_device
-from kareus.devices.sim.presets import load_preset
 from kareus.offline import memory, report
 from kareus.offline.models import artifact_first_stage_layers, resolve_model
 from kareus.offline.report import OutputError
@@ -122,11 +121,9 @@ def plan_command(args: argparse.Namespace, budget: dict[str, Any], console: Cons
             "offline on a simulated GPU or a GPU .json; to measure a real GPU, compile the "
             "model with backend=\"kareus\" on it (device \"nvml\")"))
     check_device(args.device)
-    short = memory.estimate(workload, args.schedule).shortfall(
-        load_preset(args.device).memory_bytes)
+    _, _, short = memory.warning(workload, args.device, args.schedule)
     if short is not None:
-        console.print(f"warning: {workload.name} does not fit the GPU's memory: {short}; "
-                      "planned as asked", markup=False, highlight=False, soft_wrap=True)
+        console.print(short, markup=False, highlight=False, soft_wrap=True)
     chosen_budget = Budget.parse(**budget)
     result, png, plan_json = output_paths(args)
     for path in (result, png, plan_json):

@@ -23,7 +23,9 @@ GB per GPU). The estimate, per GPU of a stage under its tensor parallelism:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+from kareus.devices.sim.presets import load_preset
 from kareus.offline.workload import Workload
 
 MODEL_STATE_BYTES = 16
@@ -88,3 +90,23 @@ def estimate(workload: Workload, schedule: str = "1f1b") -> MemoryEstimate:
             worst = found
     assert worst is not None  # a workload has a stage
     return worst
+
+
+def warning(workload: Workload, device: str, schedule: str = "1f1b") -> tuple[
+        MemoryEstimate, float, str | None]:
+    """``workload``'s estimate on the simulated ``device`` (a preset or a GPU .json), the
+    device's memory, and the line to warn with where it does not fit (else None)."""
+    found = estimate(workload, schedule)
+    capacity = load_preset(device).memory_bytes
+    short = found.shortfall(capacity)
+    return found, capacity, (None if short is None else
+                             f"warning: {workload.name} does not fit the GPU's memory: "
+                             f"{short}; planned as asked")
+
+
+def record(found: MemoryEstimate, capacity_bytes: float) -> dict[str, Any]:
+    """What a result JSON keeps of the estimate."""
+    return {"stage": found.stage, "model_state_bytes": found.model_state_bytes,
+            "activation_bytes": found.activation_bytes, "in_flight": found.in_flight,
+            "total_bytes": found.total_bytes, "capacity_bytes": capacity_bytes,
+            "fits": found.total_bytes <= capacity_bytes}

@@ -29,7 +29,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kareus.offline import report
+from kareus.offline import memory, report
 from kareus.offline.cli import result_json
 from kareus.offline.models import artifact_first_stage_layers
 from kareus.offline.plan import OfflinePlan, plan_offline
@@ -151,10 +151,14 @@ def run_suite(
             seconds = time.perf_counter() - began
             plans.append(plan)
             result = result_json(plan)
+            found, capacity, short = memory.warning(workload, case.device)
             console.print(report.frontier_table(result))
+            if short is not None:
+                console.print(short, markup=False, highlight=False, soft_wrap=True)
             report.write_png(out_dir / f"suite_{case.name}.png", report.figure(result))
             results.append({"case": dataclasses.asdict(case), "name": case.name,
-                            "seconds": seconds, **result})
+                            "seconds": seconds, **result,
+                            "memory": memory.record(found, capacity)})
             progress.advance(task)
     console.print(summary_table(cases, plans))
     data = {

@@ -10,7 +10,7 @@ import pytest
 from kareus.cli import main
 from kareus.devices.sim.presets import load_preset
 from kareus.models.llama import LlamaConfig
-from kareus.offline.memory import MODEL_STATE_BYTES, estimate
+from kareus.offline.memory import MODEL_STATE_BYTES, estimate, record, warning
 from kareus.offline.workload import Workload
 
 MODEL = LlamaConfig(vocab_size=1000, dim=64, n_layers=4, n_heads=4, n_kv_heads=2,
@@ -67,3 +67,15 @@ def test_kareus_plan_warns_where_the_workload_does_not_fit(tmp_path, capsys):
 def test_the_presets_hold_their_datasheet_memory(name):
     assert load_preset(name).memory_bytes == {"sim:a100-sxm4-40gb": 40e9, "sim:h100-sxm": 80e9,
                                               "sim:h200": 141e9}[name]
+
+
+def test_the_warning_and_the_record_a_result_keeps(tmp_path):
+    gpu = tmp_path / "small.json"
+    gpu.write_text(json.dumps({"base": "sim:a100-sxm4-40gb", "name": "small",
+                               "memory_bytes": 1e6}))
+    workload = Workload(MODEL, "m", tp=2, microbatch_size=2, seq=128)
+    found, capacity, line = warning(workload, str(gpu))
+    assert capacity == 1e6 and line.startswith("warning: m does not fit the GPU's memory: ")
+    assert line.endswith("; planned as asked")
+    assert record(found, capacity)["fits"] is False
+    assert warning(workload, "sim:a100-sxm4-40gb")[2] is None

@@ -57,6 +57,10 @@ def test_the_quick_bench_orders_its_frontiers_and_writes_its_results(tmp_path):
         times = [p["time_s"] for p in points]
         assert times == sorted(times)  # fastest first
     assert "modelled" in data and result["metrics"]["kareus_vs_perseus"]["points"]
+    # whether the case fits its GPU, with the figures (it does)
+    assert result["memory"]["fits"] and result["memory"]["capacity_bytes"] == 40e9
+    assert 0 < result["memory"]["total_bytes"] == pytest.approx(
+        result["memory"]["model_state_bytes"] + result["memory"]["activation_bytes"])
     # the quick case is traced as Megatron runs it, and its result says so
     assert {k: result["workload"][k] for k in ("layout", "loss", "stage_layers")} == {
         "layout": "megatron", "loss": "vocab-parallel", "stage_layers": [8, 8]}
