@@ -190,8 +190,11 @@ def test_the_probe_finds_a_lagging_noisy_integrating_counter_and_sets_nothing() 
     assert behaviour.gpu == "NVIDIA A100-SXM4-40GB" and behaviour.driver == "550.54.15"
     # 100 mJ an update, known to ~20% from 12 updates, and on this real clock the fake
     # power's own jitter (how much of each update the host let the spin run) on top: only
-    # the floor is the counter's (the fake clock's test pins the noise itself)
-    assert behaviour.update_noise_mj is not None and behaviour.update_noise_mj > 50.0
+    # the floor is the counter's (the fake clock's test pins the noise itself). The floor
+    # is 0.3 of it: a deviation from the 10 increments it is told from falls below half the
+    # truth about once in a hundred runs (chi-square, 9 degrees: a run here read 49.7),
+    # below 0.3 less than once in a thousand
+    assert behaviour.update_noise_mj is not None and behaviour.update_noise_mj > 30.0
     assert behaviour.probe_s < 9.0
     assert fake.setter_calls() == []
 
