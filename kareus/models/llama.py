@@ -114,13 +114,17 @@ class LlamaConfig:
             )
 
     @property
-    def parameters(self) -> int:
-        """Weights in the model: embeddings, output, norms, and per layer attention and MLP."""
+    def layer_parameters(self) -> int:
+        """Weights in one decoder layer: attention (and its q/k norms), MLP, two norms."""
         q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         attention = 2 * self.dim * q + 2 * self.dim * kv + (2 * self.head_dim if self.qk_norm
                                                              else 0)
-        layer = attention + 3 * self.dim * self.ffn_dim + 2 * self.dim
-        return 2 * self.vocab_size * self.dim + self.dim + self.n_layers * layer
+        return attention + 3 * self.dim * self.ffn_dim + 2 * self.dim
+
+    @property
+    def parameters(self) -> int:
+        """Weights in the model: embeddings, output, final norm, and every layer's."""
+        return 2 * self.vocab_size * self.dim + self.dim + self.n_layers * self.layer_parameters
 
 
 def _check_count(name: str, value: object) -> None:

@@ -12,8 +12,6 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from kareus.devices.errors import DeviceSpecError
-from kareus.devices.resolve import ACCEPTED_DEVICES, check_device
 from kareus.offline import memory, report
 from kareus.offline.models import artifact_first_stage_layers, resolve_model
 from kareus.offline.report import OutputError
@@ -62,10 +60,6 @@ def first_stage_layers(text: str | None, name: str, pp: int) -> int | None:
                             f"got {text!r}") from None
 
 
-REAL_DEVICES = ("auto", "nvml", "nvml-dry-run")
-"""Devices a compile measures by running graphs: none can plan an offline trace."""
-
-
 def traced_words(workload: Workload) -> str:
     """What was traced, beyond the shapes: the layout and each stage's layers."""
     shares = "/".join(str(len(r)) for r in workload.stage_layers)
@@ -111,16 +105,11 @@ def solving(console: Console, workload: Workload) -> Progress:
 
 
 def plan_command(args: argparse.Namespace, budget: dict[str, Any], console: Console) -> None:
-    from kareus.offline.plan import plan_offline, step_plan
+    from kareus.offline.plan import check_offline_device, plan_offline, step_plan
     from kareus.offline.trace import trace_stages
 
     workload = workload_of(args)
-    if args.device in REAL_DEVICES:
-        raise DeviceSpecError(args.device, ACCEPTED_DEVICES[3:], (
-            "kareus plan traces the model on fake tensors, which no real GPU runs: plan "
-            "offline on a simulated GPU or a GPU .json; to measure a real GPU, compile the "
-            "model with backend=\"kareus\" on it (device \"nvml\")"))
-    check_device(args.device)
+    check_offline_device(args.device)
     _, _, short = memory.warning(workload, args.device, args.schedule)
     if short is not None:
         console.print(short, markup=False, highlight=False, soft_wrap=True)

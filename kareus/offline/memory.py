@@ -64,8 +64,6 @@ def estimate(workload: Workload, schedule: str = "1f1b") -> MemoryEstimate:
     ("1f1b" or "gpipe"; the module docstring says how)."""
     m, t = workload.model, workload.tp
     q, kv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
-    per_layer = (2 * m.dim * q + 2 * m.dim * kv + (2 * m.head_dim if m.qk_norm else 0)
-                 + 3 * m.dim * m.ffn_dim + 2 * m.dim)
     sb = workload.seq * workload.microbatch_size
     unsharded = t if workload.sp else 1  # what sequence parallelism shards
     if workload.recompute == "full":
@@ -73,12 +71,12 @@ def estimate(workload: Workload, schedule: str = "1f1b") -> MemoryEstimate:
     else:
         layer_bytes = (8 * sb * m.dim / unsharded + 2 * sb * (2 * q + 2 * kv) / t
                        + 6 * sb * m.ffn_dim / t)
-    logits = 4 * workload.seq * workload.microbatch_size * m.vocab_size / t
+    logits = 4 * sb * m.vocab_size / t
     stages = workload.stage_layers
     worst = None
     for stage, layers in enumerate(stages):
         first, last = stage == 0, stage == len(stages) - 1
-        params = (len(layers) * per_layer + m.vocab_size * m.dim * (first + last)
+        params = (len(layers) * m.layer_parameters + m.vocab_size * m.dim * (first + last)
                   + m.dim * last)
         in_flight = (workload.microbatches if schedule == "gpipe"
                      else min(len(stages) - stage, workload.microbatches))

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kareus.devices.resolve import resolve_device
+from kareus.devices.errors import DeviceSpecError
+from kareus.devices.resolve import ACCEPTED_DEVICES, check_device, resolve_device
 from kareus.errors import KareusError
 from kareus.offline.metrics import max_throughput, reductions, summary
 from kareus.offline.trace import StageGraphs, trace_stages
@@ -112,6 +113,21 @@ class OfflinePlan:
         }
 
 
+REAL_DEVICES = ("auto", "nvml", "nvml-dry-run")
+"""Devices a compile measures by running graphs: none can plan an offline trace."""
+
+
+def check_offline_device(device: str) -> None:
+    """Refuse, without opening anything, a device an offline plan cannot run on: a real GPU
+    (the trace is of fake tensors), or no device at all (``check_device``)."""
+    if device in REAL_DEVICES:
+        raise DeviceSpecError(device, ACCEPTED_DEVICES[len(REAL_DEVICES):], (
+            "kareus plan traces the model on fake tensors, which no real GPU runs: plan "
+            "offline on a simulated GPU or a GPU .json; to measure a real GPU, compile the "
+            "model with backend=\"kareus\" on it (device \"nvml\")"))
+    check_device(device)
+
+
 def plan_offline(
     workload: Workload,
     device: str,
@@ -134,12 +150,8 @@ def plan_offline(
         raise OfflinePlanError(
             f"schedule: got {schedule!r}; accepted: {', '.join(map(repr, SCHEDULES))}"
         )
+    check_offline_device(device)
     gpu = resolve_device(device)
-    if not gpu.deterministic:
-        raise OfflinePlanError(
-            f"device {device!r} is a real GPU; an offline plan needs a simulated one "
-            "(sim:<preset> or a GPU .json)"
-        )
     dag = SCHEDULES[schedule](workload.pp, workload.microbatches)
     if stages is None:
         stages = trace_stages(workload, device, cache_dir=cache_dir, search=search,
