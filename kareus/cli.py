@@ -142,8 +142,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-solve-s", type=_positive_seconds, default=20.0,
         help="seconds per solve of a pipeline plan; past them the best plan found is kept "
-        "with its proven gap (in the JSON; default 20, as kareus bench; 0: solve exactly, "
-        "which can take an hour on an uneven 2-stage split)")
+        "with its proven gap (in the JSON and the table; default 20, as kareus bench; 0: "
+        "solve exactly, which can take an hour on an uneven 2-stage split). A pipeline of "
+        "over 256 instructions is planned by shared options, its gap always stated")
 
 
 def _add_cache_dir(parser: argparse.ArgumentParser) -> None:

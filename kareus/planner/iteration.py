@@ -4,13 +4,17 @@ The same for a pipeline at run time (``planner.pipeline_step``) and offline (``k
 plan``): every (stage, kind)'s instruction options under each method
 (``planner.methods``), the iteration's DAG (``planner.pipeline``), and per method its
 frontier of whole iterations (the baseline's one point; with one stage, the step
-planner's exact DP over identical microbatches; with several, the exact DAG solves at
-evenly spaced time limits). Every frontier keeps the baseline, so no plan is worse than
-doing nothing.
+planner's exact DP over identical microbatches; with several, the DAG solves at evenly
+spaced time limits, exact or with their gap stated: ``planner.pipeline_large``). Every
+frontier keeps the baseline, so no plan is worse than doing nothing; Perseus's and
+Nanobatching + Perseus's are solved side by side, then kareus's weighing their plans too
+(their choices are kareus choices), so a time-limited solve never leaves kareus's
+frontier above theirs.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -25,6 +29,7 @@ from kareus.planner.pipeline import (
     baseline,
     pareto,
     pipeline_frontier,
+    side_by_side,
     solve_budget,
 )
 
@@ -72,31 +77,36 @@ def plan_iteration(
     ``BudgetError`` stating the range where none meets it; ``max_power_w``: the
     replica's, for a trade-off). ``max_solve_s``: per DAG solve, past which the best plan
     found is kept with its proven gap (``PipelinePoint.gap``); None: every plan proven."""
-    frontiers: dict[str, list[PipelinePoint]] = {}
     full: dict[str, list[PipelinePoint]] = {}  # with one stage: every point
     best_found = max_solve_s is not None
-    for method in METHODS:
-        method_options = options[method]
-        if method == "baseline":
-            only = {key: opts[0] for key, opts in method_options.items()}
-            frontiers[method] = [baseline(dag, method_options, only, model=model)]
-        elif dag.stages == 1:
-            full[method] = pareto([*chain_frontier(dag, method_options, model),
-                                   frontiers["baseline"][0]])
+    only = {key: opts[0] for key, opts in options["baseline"].items()}
+    base = baseline(dag, options["baseline"], only, model=model)
+    frontiers: dict[str, list[PipelinePoint]] = {"baseline": [base]}
+    methods = [m for m in METHODS if m != "baseline"]
+    if dag.stages == 1:
+        for method in methods:
+            full[method] = pareto([*chain_frontier(dag, options[method], model), base])
             frontiers[method] = sampled(full[method], points)
-        else:
-            found = pipeline_frontier(dag, method_options, model=model, points=points,
-                                      max_solve_s=max_solve_s, best_found=best_found)
-            # The baseline, a plan of every method, keeps one found unproven (max_solve_s)
-            # from standing worse than doing nothing.
-            frontiers[method] = pareto([*found, frontiers["baseline"][0]])
-    base = frontiers["baseline"][0]
+    else:
+        # The baselines' solves side by side, then kareus's weighing their plans (their
+        # choices are kareus's too: unrewritten or nanobatched graphs at a clock), as
+        # it weighs the baseline's; so none found under a time limit stands worse.
+        others = [m for m in methods if m != "kareus"]
+        found = side_by_side([functools.partial(
+            pipeline_frontier, dag, options[method], model=model, points=points,
+            max_solve_s=max_solve_s, best_found=best_found) for method in others])
+        frontiers |= {m: pareto([*f, base]) for m, f in zip(others, found)}
+        known = [base, *(p for m in others for p in frontiers[m])]
+        frontiers["kareus"] = pareto([*pipeline_frontier(
+            dag, options["kareus"], model=model, points=points, max_solve_s=max_solve_s,
+            best_found=best_found, known=known), base])
     kareus = full.get("kareus", frontiers["kareus"])
     if budget.kind != "fastest" and dag.stages > 1:  # the fastest is the frontier's first
         # The exact plan the budget asks for, not only the frontier's points' best.
         exact = solve_budget(dag, options["kareus"], budget, model=model,
                              max_power_w=max_power_w, baseline_point=base,
-                             max_solve_s=max_solve_s, best_found=best_found)
+                             max_solve_s=max_solve_s, best_found=best_found,
+                             known=[p for f in frontiers.values() for p in f])
         kareus = sorted({*kareus, exact}, key=lambda p: (p.time_s, p.energy_j))
     return IterationPlan(frontiers, choose(kareus, base, budget, max_power_w))
 

@@ -27,8 +27,12 @@ rank, drawing ``P_blocking`` above static (per GPU; 0 on the simulated GPU, wher
 GPU draws exactly its static power). ``P_static``: of all the replica's GPUs together, over
 the whole iteration. A switch's time is not blocked time: its joules price it whole.
 
-The planner is exact: a mixed-integer linear program solved by HiGHS
-(``scipy.optimize.milp``) to a zero gap. Binaries x[i, o] pick one option per
+Up to ``pipeline_large.EXACT_INSTRUCTIONS`` instructions the planner is exact: a
+mixed-integer linear program solved by HiGHS (``scipy.optimize.milp``) to a zero gap.
+Larger DAGs (a 70B model at 16 stages x 64 microbatches has 2048 instructions, where the
+program's relaxation alone takes a minute) are planned by ``planner.pipeline_large``: a
+program of shared options and the plans found before, every plan's gap proven against
+bounds and stated (``PipelinePoint.gap``). Binaries x[i, o] pick one option per
 instruction; start times s_i and T are continuous; between consecutive instructions i -> j
 of a rank the switch is a transport w[a, b] >= 0 from i's clock a to j's clock b
 (sum_b w[a, b] = i's indicator of clock a, sum_a w[a, b] = j's of b: with integral
@@ -39,7 +43,8 @@ sum_r busy_r = sum_i d_i + the switch seconds, so E = sum (e - P_blocking d) x
 mean instruction of 1, and energies (and, minimising time, T) to about 1e5 so that
 HiGHS's absolute gap of 1e-6 is about 1e-11 of the optimum; each solution's cost is then
 recomputed exactly from its choices. A solve HiGHS stops before proving optimality (its
-time limit) raises ``PipelineSolveError``: a plan is never returned unproven.
+time limit) raises ``PipelineSolveError`` unless the best plan found is asked for
+(``best_found``, its proven gap stated): a plan is never returned with its gap unsaid.
 
 Every budget is one program (``solve_budget``): the fastest plan minimises T (then, of
 those, E); least energy within a time bounds T; the fastest within an energy adds E, being
@@ -58,6 +63,7 @@ a continuous relaxation and ships wheels for few Python versions and platforms.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import graphlib
@@ -75,9 +81,25 @@ from scipy.sparse import csr_array
 from kareus.errors import KareusError
 from kareus.planner.budget import Budget, BudgetError, asked, limit_of
 from kareus.planner.compose import FrontierPoint, Switch, clock_of, fronts_by
+from kareus.planner.pipeline_large import (
+    EXACT_INSTRUCTIONS,
+    GAP,
+    SHARED_SOLVE_S,
+    RankBound,
+    Sharing,
+    Weights,
+    by_kind,
+    gap,
+    hull,
+    quickest,
+    switch_floor,
+)
 
 KINDS = ("forward", "backward")
 _T = TypeVar("_T")
+
+TIME, ENERGY = Weights(0.0, 1.0), Weights(1.0, 0.0)
+"""What the fastest plan and the least-energy plan minimise."""
 
 Options = Mapping[tuple[int, str], Sequence[FrontierPoint]]
 """The options of every (stage, kind): each microbatch's instruction of that stage and kind
@@ -365,15 +387,23 @@ def schedule(
             f"durations and switch_s: got {len(durations)} and {len(switch_s)}; accepted: one "
             f"per instruction ({n})"
         )
-    follows = {b: a for order in dag.orders for a, b in itertools.pairwise(order)}
-    preds = _predecessors(dag)
+    follows, preds, topo = _topology(dag)
     start = [0.0] * n
-    for i in graphlib.TopologicalSorter(preds).static_order():
+    for i in topo:
         start[i] = max((start[a] + durations[a] + (switch_s[a] if follows.get(i) == a else 0.0)
                         for a in preds[i]), default=0.0)
     makespan = max(start[order[-1]] + durations[order[-1]] + switch_s[order[-1]]
                    for order in dag.orders)
     return tuple(start), makespan
+
+
+@functools.lru_cache(maxsize=8)
+def _topology(dag: PipelineDag) -> tuple[dict[int, int], dict[int, list[int]], list[int]]:
+    """Each instruction's predecessor on its rank, its predecessors, and an order in
+    which every instruction follows them (a large DAG is scheduled many times over)."""
+    preds = _predecessors(dag)
+    return ({b: a for order in dag.orders for a, b in itertools.pairwise(order)}, preds,
+            list(graphlib.TopologicalSorter(preds).static_order()))
 
 
 def _free_switch(a: Hashable, b: Hashable) -> tuple[float, float]:
@@ -415,21 +445,28 @@ def least_energy(
     model: EnergyModel,
     max_solve_s: float | None = None,
     best_found: bool = False,
+    exact_up_to: int = EXACT_INSTRUCTIONS,
+    known: Sequence[PipelinePoint] = (),
 ) -> PipelinePoint:
     """The plan of least energy whose iteration takes at most ``time_limit_s`` (None: any
     time); a ``PipelineTimeLimitError`` stating the range plans reach where none is fast
     enough. ``max_solve_s`` bounds HiGHS's time: past it a ``PipelineSolveError``, or with
-    ``best_found`` the best plan found, its proven gap in ``PipelinePoint.gap``."""
+    ``best_found`` the best plan found, its proven gap in ``PipelinePoint.gap``. A DAG of
+    more than ``exact_up_to`` instructions is planned by ``planner.pipeline_large``, its
+    gap always stated; ``known``: as for ``pipeline_frontier``."""
     if time_limit_s is not None and math.isnan(time_limit_s):
         raise PipelineInputError("time_limit_s: got nan; accepted: seconds, or None")
-    return _Solver(dag, options, model, max_solve_s, best_found).least_energy(time_limit_s)
+    return _Solver(dag, options, model, max_solve_s, best_found, known=known,
+                   exact_up_to=exact_up_to).least_energy(time_limit_s)
 
 
 def fastest(
-    dag: PipelineDag, options: Options, *, model: EnergyModel, max_solve_s: float | None = None
+    dag: PipelineDag, options: Options, *, model: EnergyModel, max_solve_s: float | None = None,
+    exact_up_to: int = EXACT_INSTRUCTIONS,
 ) -> PipelinePoint:
-    """The plan of the shortest iteration and, of those, the least energy."""
-    return _Solver(dag, options, model, max_solve_s).fastest()
+    """The plan of the shortest iteration and, of those, the least energy (``exact_up_to``:
+    as for ``least_energy``)."""
+    return _Solver(dag, options, model, max_solve_s, exact_up_to=exact_up_to).fastest()
 
 
 def fastest_within(
@@ -475,22 +512,32 @@ def stoppable(solve: Callable[[], _T], poll_s: float = 0.1) -> _T:
     unbounded), so a Ctrl-C on the thread that called it would wait for the whole solve;
     here the wait ends at once with the ``KeyboardInterrupt``, and the abandoned solve,
     on a daemon thread, ends with the process."""
-    found: list[_T] = []
+    return side_by_side([solve], poll_s)[0]
+
+
+def side_by_side(solves: Sequence[Callable[[], _T]], poll_s: float = 0.1) -> list[_T]:
+    """Each of ``solves`` on a thread of its own, all at once (HiGHS releases the GIL:
+    independent solves share the cores), waited for as ``stoppable`` waits; their
+    results in order, or the first one's exception."""
+    found: dict[int, _T] = {}
     failed: list[BaseException] = []
 
-    def run() -> None:
+    def run(n: int, solve: Callable[[], _T]) -> None:
         try:
-            found.append(solve())
+            found[n] = solve()
         except BaseException as exc:  # noqa: BLE001 - raised again on the caller's thread
             failed.append(exc)
 
-    worker = threading.Thread(target=run, name="kareus-highs", daemon=True)
-    worker.start()
-    while worker.is_alive():
-        worker.join(poll_s)
+    workers = [threading.Thread(target=run, args=(n, solve), name="kareus-highs", daemon=True)
+               for n, solve in enumerate(solves)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        while worker.is_alive() and not failed:
+            worker.join(poll_s)
     if failed:
         raise failed[0]
-    return found[0]
+    return [found[n] for n in range(len(solves))]
 
 
 def solve_budget(
@@ -503,6 +550,7 @@ def solve_budget(
     baseline_point: PipelinePoint,
     max_solve_s: float | None = None,
     best_found: bool = False,
+    known: Sequence[PipelinePoint] = (),
 ) -> PipelinePoint:
     """The plan ``budget`` asks for, solved exactly: the fastest; the least energy within a
     time; the fastest within an energy; the least trade-off (``least_tradeoff``, P_max
@@ -510,7 +558,7 @@ def solve_budget(
     the replica, as ``PipelinePoint`` counts them) or a fraction of ``baseline_point``'s; one
     no plan meets raises ``PipelineTimeLimitError`` or ``PipelineEnergyLimitError`` (both
     ``BudgetError``s), stating the range plans reach. ``max_solve_s`` and ``best_found``: as
-    for ``least_energy``."""
+    for ``least_energy``; ``known``: as for ``pipeline_frontier``."""
     if budget.kind not in ("fastest", "time", "energy", "tradeoff"):
         raise BudgetError(
             f"budget.kind: got {budget.kind!r}; accepted: 'fastest', 'time', 'energy', "
@@ -523,7 +571,7 @@ def solve_budget(
             f"budget: got {budget!r}; accepted: a {budget.kind} budget with a value (absolute) "
             "or a fraction (of the baseline's), one of them"
         )
-    solver = _Solver(dag, options, model, max_solve_s, best_found)
+    solver = _Solver(dag, options, model, max_solve_s, best_found, known=known)
     if budget.kind == "fastest":
         return solver.fastest()
     if budget.kind == "tradeoff":
@@ -556,17 +604,23 @@ def pipeline_frontier(
     points: int = 10,
     max_solve_s: float | None = None,
     best_found: bool = False,
+    known: Sequence[PipelinePoint] = (),
+    exact_up_to: int = EXACT_INSTRUCTIONS,
 ) -> list[PipelinePoint]:
     """The fastest plan, the least-energy plan, and the least-energy plans within time
     limits evenly spaced between theirs: ``points`` limits in all, fewer plans where two
     limits find the same or one dominates another; fastest first. ``max_solve_s`` and
-    ``best_found``: per solve, as for ``least_energy``."""
+    ``best_found``: per solve, as for ``least_energy``; ``known``: plans found already (of
+    options these dominate, e.g. another method's), which a large DAG's solve weighs as
+    candidates; ``exact_up_to``: the most instructions planned exactly (larger DAGs:
+    ``planner.pipeline_large``)."""
     if isinstance(points, bool) or not isinstance(points, int) or points < 2:
         raise PipelineInputError(
             f"points: got {points!r}; accepted: an integer >= 2 (the fastest and the "
             "least-energy plan, and plans between)"
         )
-    solver = _Solver(dag, options, model, max_solve_s, best_found)
+    solver = _Solver(dag, options, model, max_solve_s, best_found, known=known,
+                     exact_up_to=exact_up_to)
     quick, frugal = solver.fastest(), solver.least_energy(None)
     found = [quick, frugal]
     if frugal.time_s > quick.time_s:
@@ -667,38 +721,74 @@ class _Solver:
     docstring's), built once and solved for any budget."""
 
     def __init__(self, dag: PipelineDag, options: Options, model: EnergyModel,
-                 max_solve_s: float | None, best_found: bool = False) -> None:
+                 max_solve_s: float | None, best_found: bool = False, *,
+                 sharing: Sharing | None = None, relaxed: bool = False,
+                 known: Sequence[PipelinePoint] = (),
+                 exact_up_to: int = EXACT_INSTRUCTIONS) -> None:
+        """``sharing``: a smaller program (``pipeline_large.Sharing``), which returns None
+        where it finds no plan in its time; ``relaxed``: the program of every instruction
+        however large the DAG (its relaxation bounds a large DAG's plans); ``known``: plans
+        a large DAG's solves weigh as candidates, with every plan they find;
+        ``exact_up_to``: the most instructions of a DAG planned exactly."""
         _check_options(dag, options)
         self.dag, self.model, self.max_solve_s = dag, model, max_solve_s
-        self.best_found = best_found
+        self.best_found, self.shared, self.given = best_found, sharing is not None, options
+        self.known = list(known)
         pruned = {key: _prune(options[key], model) for key in _kinds(dag)}
-        self.options = [pruned[i.stage, i.kind] for i in dag.instructions]
+        self.options = ([pruned[i.stage, i.kind] for i in dag.instructions] if sharing is None
+                        else list(sharing.options))
+        self.classes = tuple(range(len(self.options))) if sharing is None else sharing.classes
         times = [o.time_s for opts in self.options for o in opts]
         self.time_unit = (sum(times) / len(times)) or 1.0
         block = dag.ranks * model.blocking_power_w
         reference = sum(max(abs(o.effective_energy_j) + (model.static_power_w + block)
                             * o.time_s for o in opts) for opts in self.options)
         self.energy_unit = (reference or 1.0) / 1e5
-        self._build()
+        self.large = sharing is None and not relaxed and len(self.options) > exact_up_to
+        if self.large:  # planned by ``pipeline_large``: the program itself is never built
+            free = dataclasses.replace(model, switch=_free_switch)
+            self.relaxation = _Solver(dag, {key: hull(opts, model.blocking_power_w)
+                                            for key, opts in pruned.items()},
+                                      free, max_solve_s, relaxed=True)
+            self.quickest = _evaluate(dag, model, list(map(quickest, self.options)))
+            self.shared_program = _Solver(dag, options, model,
+                                          min(SHARED_SOLVE_S, max_solve_s or math.inf), True,
+                                          sharing=by_kind(dag, self.options))
+            self.rank_bound = RankBound(dag, self.options, model)
+            self.floor = switch_floor(dag, self.options, model)
+        else:
+            self._build()
 
     def _build(self) -> None:
         dag, model, tau = self.dag, self.model, self.time_unit
         program = _Program()
         block = model.blocking_power_w
-        self.columns = [[program.column((o.effective_energy_j - block * o.time_s)
-                                        / self.energy_unit, 1.0) for o in opts]
-                        for opts in self.options]
+        members = collections.Counter(self.classes)
+        by_class: dict[Hashable, list[int]] = {}
+        for i, c in enumerate(self.classes):
+            if c not in by_class:
+                by_class[c] = [program.column(members[c] * (o.effective_energy_j
+                                                            - block * o.time_s)
+                                              / self.energy_unit, 1.0)
+                               for o in self.options[i]]
+        self.columns = [by_class[c] for c in self.classes]
         starts = [program.column(0.0, math.inf) for _ in self.options]
         self.t_col = program.column((dag.ranks * block + model.static_power_w) * tau
                                     / self.energy_unit, math.inf)
-        for cols in self.columns:
+        for cols in by_class.values():
             program.row([(c, 1.0) for c in cols], 1.0, 1.0)
         follows = {}
+        pairs = [(i, j) for order in dag.orders for i, j in zip(order, order[1:] + order[:1])]
+        times = collections.Counter((self.classes[i], self.classes[j]) for i, j in pairs)
+        delays: dict[tuple[Hashable, Hashable], list[tuple[int, float]]] = {}
         for order in dag.orders:
             for i, j in zip(order, order[1:] + order[:1]):
-                delay = self._switch(program, i, j)
+                key = self.classes[i], self.classes[j]
+                if key not in delays:
+                    delays[key] = [] if key[0] == key[1] else self._switch(program, i, j,
+                                                                           times[key])
                 end = (self.t_col if j == order[0] else starts[j], 1.0)
-                program.row([end, (starts[i], -1.0), *self._duration(i), *delay], 0.0,
+                program.row([end, (starts[i], -1.0), *self._duration(i), *delays[key]], 0.0,
                             math.inf)
                 follows[i] = j
         for i, j in dag.edges:
@@ -713,16 +803,18 @@ class _Solver:
         self.makespan = np.zeros(len(program.cost))
         self.makespan[self.t_col] = 1e5 / len(self.options)
         self.integrality = np.zeros(len(program.cost))
-        self.integrality[: sum(map(len, self.columns))] = 1
+        self.integrality[: sum(map(len, by_class.values()))] = 1
 
     def _duration(self, i: int) -> list[tuple[int, float]]:
         """Minus instruction ``i``'s duration, as terms of a row."""
         return [(c, -o.time_s / self.time_unit) for c, o in zip(self.columns[i], self.options[i])]
 
-    def _switch(self, program: _Program, i: int, j: int) -> list[tuple[int, float]]:
+    def _switch(self, program: _Program, i: int, j: int, times: int) -> list[tuple[int, float]]:
         """The switch from instruction ``i`` to ``j``, the next on their rank: a transport
         between their clock indicators, each (clock, clock) pair priced; minus its seconds
-        as terms of a row (none where no pair of their clocks costs anything to switch)."""
+        as terms of a row (none where no pair of their clocks costs anything to switch).
+        ``times``: how often the program has such a switch (from ``i``'s class to
+        ``j``'s), its columns priced for all of them."""
         model, block = self.model, self.model.blocking_power_w
         clocks_i, clocks_j = self._clocks(i), self._clocks(j)
         priced = {(a, b): model.switch(ca, cb) for a, ca in clocks_i.items()
@@ -734,7 +826,7 @@ class _Solver:
             # One price whatever the clocks (every device's today), no gain from paying it:
             # one indicator w >= z_i(a) - z_j(a) for every clock a, 1 exactly where the
             # clocks differ (more only costs), instead of a transport of |clocks|^2 columns.
-            w = program.column((joules - block * seconds) / self.energy_unit, 1.0)
+            w = program.column(times * (joules - block * seconds) / self.energy_unit, 1.0)
             for clock in {*clocks_i, *clocks_j}:
                 program.row([(w, 1.0), *self._indicator(i, clock, -1.0),
                              *self._indicator(j, clock, 1.0)], 0.0, math.inf)
@@ -743,7 +835,7 @@ class _Solver:
         delay = []
         for a, b in itertools.product(clocks_i, clocks_j):
             seconds, joules = priced.get((a, b), (0.0, 0.0))
-            w = program.column((joules - block * seconds) / self.energy_unit, 1.0)
+            w = program.column(times * (joules - block * seconds) / self.energy_unit, 1.0)
             flow.setdefault((i, a), []).append((w, 1.0))
             flow.setdefault((j, b), []).append((w, 1.0))
             if seconds:
@@ -766,11 +858,20 @@ class _Solver:
             clocks.setdefault(self.model.switch_key(o.choice), o.choice)
         return clocks
 
-    def _solve(
-        self, objective: np.ndarray, limit_s: float | None, limit_j: float | None = None
-    ) -> PipelinePoint | None:
-        """The optimum of ``objective`` within ``limit_s`` and ``limit_j`` (the energy: one
-        row more), costed exactly; None where no plan meets them."""
+    def _objective(self, weights: Weights) -> tuple[np.ndarray, float]:
+        """``weights`` as this program's objective, scaled for HiGHS, and what one unit of
+        it is in seconds and joules."""
+        if weights.energy == 0:
+            return weights.time * self.makespan, self.time_unit * len(self.options) / 1e5
+        objective = weights.energy * self.energy
+        objective[self.t_col] += weights.time * self.time_unit / self.energy_unit
+        return objective, self.energy_unit
+
+    def _run(self, weights: Weights, limit_s: float | None, limit_j: float | None,
+             integral: bool = True) -> tuple[Any, float]:
+        """HiGHS's result for ``weights`` within ``limit_s`` and ``limit_j`` (the energy:
+        one row more), or of its linear relaxation; and the objective's unit."""
+        objective, unit = self._objective(weights)
         constraints = [self.constraints]
         if limit_j is not None:
             constraints.append(LinearConstraint(self.energy[np.newaxis], -math.inf,
@@ -780,49 +881,99 @@ class _Solver:
         options: dict[str, float] = {"mip_rel_gap": 0.0}
         if self.max_solve_s is not None:
             options["time_limit"] = self.max_solve_s
-        result = stoppable(functools.partial(
-            milp, objective, integrality=self.integrality,
+        return stoppable(functools.partial(
+            milp, objective, integrality=self.integrality if integral else None,
             bounds=Bounds(np.zeros(len(upper)), upper), constraints=constraints,
-            options=options))
+            options=options)), unit
+
+    def _solve(self, weights: Weights, limit_s: float | None, limit_j: float | None = None
+               ) -> PipelinePoint | None:
+        """The optimum of ``weights`` within ``limit_s`` and ``limit_j``, costed exactly;
+        None where no plan meets them."""
+        if self.large:
+            return self._solve_large(weights, limit_s, limit_j)
+        result, _ = self._run(weights, limit_s, limit_j)
         if result.status == 2:
             return None
-        gap = result.get("mip_gap")
-        if result.status == 1 and self.best_found and result.x is not None:
-            picks = [opts[int(np.argmax(result.x[cols]))]
-                     for opts, cols in zip(self.options, self.columns)]
-            return dataclasses.replace(_evaluate(self.dag, self.model, picks),
-                                       gap=float(gap if gap is not None else math.inf))
-        if result.status != 0:
+        gap_found = result.get("mip_gap")
+        found = result.status == 1 and result.x is not None
+        if result.status != 0 and not (found and (self.best_found or self.shared)):
+            if self.shared:
+                return None
             raise PipelineSolveError(
                 f"HiGHS did not prove a plan of the {self.dag.stages}-stage pipeline on "
-                f"{self.dag.ranks} ranks optimal: "
-                f"{result.message}" + (f" (gap {gap:.3g})" if gap is not None else "")
+                f"{self.dag.ranks} ranks optimal: {result.message}"
+                + (f" (gap {gap_found:.3g})" if gap_found is not None else "")
                 + "; allow it more time (max_solve_s) or give fewer options"
             )
         picks = [opts[int(np.argmax(result.x[cols]))]
                  for opts, cols in zip(self.options, self.columns)]
-        return _evaluate(self.dag, self.model, picks)
+        point = _evaluate(self.dag, self.model, picks)
+        if result.status == 0:
+            return point
+        return dataclasses.replace(
+            point, gap=float(gap_found if gap_found is not None else math.inf))
+
+    def _solve_large(self, weights: Weights, limit_s: float | None, limit_j: float | None
+                     ) -> PipelinePoint | None:
+        """A large DAG's plan (``planner.pipeline_large``): of the program of shared
+        options and every instruction at its fastest, the better; its gap proven against
+        the relaxation without switches and, where that leaves more than ``GAP``, the
+        rank bound."""
+        if weights.energy == 0 and limit_j is None and (
+                self.quickest.time_s <= self.rank_bound.shortest * (1 + 1e-12)):
+            return self.quickest  # no plan is faster
+        result, unit = self.relaxation._run(weights, limit_s, limit_j, integral=False)
+        if result.status == 2:
+            return None
+        if result.status != 0:
+            raise PipelineSolveError(
+                f"HiGHS did not solve the relaxation of the {self.dag.stages}-stage "
+                f"pipeline on {self.dag.ranks} ranks: {result.message}; allow it more time "
+                "(max_solve_s)"
+            )
+        bound = result.fun * unit + weights.energy * self.floor
+        found = [p for p in [self.quickest, *self.known]
+                 if (limit_s is None or p.time_s <= limit_s)
+                 and (limit_j is None or p.energy_j <= limit_j)]
+        found += [p for p in [self.shared_program._solve(weights, limit_s, limit_j)]
+                  if p is not None]
+        if not found:
+            raise PipelineSolveError(
+                f"HiGHS found no plan of the {self.dag.stages}-stage pipeline on "
+                f"{self.dag.ranks} ranks within its time, although the relaxation has one; "
+                "allow it more time (max_solve_s) or give a looser limit"
+            )
+        best = min(found, key=lambda p: (weights.of(p.time_s, p.energy_j), p.time_s))
+        value = weights.of(best.time_s, best.energy_j)
+        if gap(value, bound) > GAP and weights == ENERGY and limit_s is not None and (
+                limit_j is None):
+            bound = max(bound, self.rank_bound.energy(limit_s))
+        self.known.append(best)  # a plan within these limits is within any looser
+        return dataclasses.replace(best, gap=gap(value, bound))
 
     def fastest(self, limit_j: float | None = None, what: str = "") -> PipelinePoint:
         """The fastest plan within ``limit_j`` (``what``: the limit, in words)."""
-        quick = self._solve(self.makespan, None, limit_j)
+        quick = self._solve(TIME, None, limit_j)
         if quick is None:
-            fast, frugal = self.fastest(), self._solve(self.energy, None)
+            fast, frugal = self.fastest(), self._solve(ENERGY, None)
             raise PipelineEnergyLimitError(
                 f"no plan of the pipeline takes at most {what} an iteration: the least-energy "
                 f"plan takes {frugal.energy_j:.4g} J ({frugal.time_s:.4g} s), the fastest "
                 f"{fast.energy_j:.4g} J ({fast.time_s:.4g} s)"
             )
-        frugal = self._solve(self.energy, quick.time_s, limit_j) or quick
-        # of the two, the faster (rounding may let the second be slower by a hair)
-        return min((quick, frugal), key=lambda p: (p.time_s, p.energy_j))
+        frugal = self._solve(ENERGY, quick.time_s, limit_j) or quick
+        # of the two, the faster (rounding may let the second be slower by a hair); its
+        # gap: in time and, of plans that fast, in energy
+        found = min((quick, frugal), key=lambda p: (p.time_s, p.energy_j))
+        return dataclasses.replace(found, gap=max(quick.gap, frugal.gap))
 
     def least_energy(self, limit_s: float | None, what: str = "") -> PipelinePoint:
         """The least-energy plan within ``limit_s`` (``what``: the limit, in words; by
         default its seconds)."""
-        found = self._solve(self.energy, limit_s)
+        found = self._solve(ENERGY, limit_s)
         if found is None:
-            quick, frugal = self.fastest(), self._solve(self.energy, None)
+            quick, frugal = self.fastest(), self._solve(ENERGY, None)
             raise PipelineTimeLimitError(
                 f"no plan of the pipeline finishes an iteration within "
                 f"{what or f'{limit_s:.4g} s'}: the fastest takes {quick.time_s:.4g} s "
@@ -835,9 +986,7 @@ class _Solver:
         """The plan of least eta x E + (1 - eta) x ``max_power_w`` x T."""
         if eta == 0:  # time only: of the fastest plans, the least energy
             return self.fastest()
-        objective = eta * self.energy
-        objective[self.t_col] += (1 - eta) * max_power_w * self.time_unit / self.energy_unit
-        return self._solve(objective, None)
+        return self._solve(Weights(eta, (1 - eta) * max_power_w), None)
 
 
 def _prune(points: Sequence[FrontierPoint], model: EnergyModel) -> tuple[FrontierPoint, ...]:

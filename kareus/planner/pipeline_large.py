@@ -1,0 +1,161 @@
+"""Pipelines too large to solve exactly: the plan of a smaller program, and the bounds
+that state how far from optimal it can be.
+
+The exact program (``planner.pipeline``) weighs every instruction's option; HiGHS proves
+plans of a few hundred instructions, but Llama 3.1 70B at 16 stages x 64 microbatches has
+2048, and the full program's relaxation alone takes a minute there (its switch rows). A
+large DAG is planned in steps whose cost grows gently with it:
+
+1. **The plan: shared options.** The program with each (stage, kind)'s instructions
+   sharing one option (``by_kind``): a few hundred binaries whatever the microbatches,
+   every switch priced, solved by HiGHS within ``SHARED_SOLVE_S``. Perseus's and EnvPipe's
+   plans are mostly of this shape: a stage off the critical path runs slower throughout.
+   The plan of every instruction at its fastest is a candidate too, so a plan is found
+   wherever one is fast enough.
+2. **The bound: the relaxation without switches.** The full program's linear relaxation
+   with every clock switch free and only each (stage, kind)'s lower convex hull of
+   options (``hull``: the only ones a relaxation mixes): about a second for 2048
+   instructions. No plan undercuts it (a switch only adds time, and its price is
+   floored by ``switch_floor``).
+3. **A second bound near the fastest time.** Where the relaxation leaves a gap above
+   ``GAP``, each rank's least price within the windows every plan meets
+   (``planner.rank_dp``), summed: it charges the switches a rank cannot avoid, which the
+   relaxation does not.
+
+Each plan states ``(its value - the best bound) / its value`` as its proven gap. Where the
+gap is large, it is near the fastest time: there the optimum runs a stage's filling and
+draining instructions faster than its steady state, which shared options cannot; the
+plan's time is still proven shortest.
+"""
+
+from __future__ import annotations
+
+import graphlib
+import itertools
+import math
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+from kareus.planner.compose import FrontierPoint
+from kareus.planner.rank_dp import RankWindows, least_price
+
+EXACT_INSTRUCTIONS = 256
+"""The largest DAG (instructions) the exact program is given. 4 stages x 16 microbatches
+of Llama 3.1 70B options on a simulated H100 (128 instructions) already take HiGHS a
+minute to prove, near the fastest time."""
+
+GAP = 0.01
+"""The gap above which the rank bound is computed too."""
+
+SHARED_SOLVE_S = 2.0
+"""The most seconds HiGHS spends on one program of shared options."""
+
+CELLS = 40_000
+"""Time cells over the limit in the rank bound (rounding loosens it by under a cell an
+instruction: 0.06 ms in a 2.5 s iteration)."""
+
+
+@dataclass(frozen=True)
+class Weights:
+    """What a solve minimises: ``energy`` x the iteration's energy + ``time`` x its
+    seconds (the fastest plan: time only)."""
+
+    energy: float
+    time: float
+
+    def of(self, time_s: float, energy_j: float) -> float:
+        return self.energy * energy_j + self.time * time_s
+
+
+@dataclass(frozen=True)
+class Sharing:
+    """A smaller program: each instruction's class (a class's instructions take one
+    option) and the options it may take."""
+
+    classes: tuple[Hashable, ...]
+    options: tuple[tuple[FrontierPoint, ...], ...]
+
+
+def by_kind(dag, options: Sequence[Sequence[FrontierPoint]]) -> Sharing:
+    """Each (stage, kind)'s instructions share one option, any of theirs."""
+    return Sharing(tuple((i.stage, i.kind) for i in dag.instructions),
+                   tuple(tuple(opts) for opts in options))
+
+
+def hull(options: Sequence[FrontierPoint], blocking_power_w: float) -> list[FrontierPoint]:
+    """The options on the lower convex hull of (time, price): the only ones a linear
+    relaxation mixes (price: effective energy less the blocked power the time saves)."""
+    def price(o: FrontierPoint) -> float:
+        return o.effective_energy_j - blocking_power_w * o.time_s
+
+    kept: list[FrontierPoint] = []
+    for o in sorted(options, key=lambda o: (o.time_s, price(o))):
+        if kept and price(o) >= price(kept[-1]):
+            continue
+        while len(kept) > 1 and ((price(kept[-1]) - price(kept[-2])) * (o.time_s - kept[-2].time_s)
+                                 >= (price(o) - price(kept[-2])) * (kept[-1].time_s
+                                                                    - kept[-2].time_s)):
+            kept.pop()
+        kept.append(o)
+    return kept
+
+
+def quickest(options: Sequence[FrontierPoint]) -> FrontierPoint:
+    """The fastest option, and of those the least energy."""
+    return min(options, key=lambda o: (o.time_s, o.effective_energy_j))
+
+
+class RankBound:
+    """The rank bound of one DAG (module docstring, step 3): each instruction's longest
+    path before and after it at its fastest, computed once."""
+
+    def __init__(self, dag, options: Sequence[Sequence[FrontierPoint]], model) -> None:
+        self.dag, self.options, self.model = dag, options, model
+        n = len(options)
+        preds: list[list[int]] = [[] for _ in range(n)]
+        succs: list[list[int]] = [[] for _ in range(n)]
+        for a, b in dag.edges:
+            preds[b].append(a)
+            succs[a].append(b)
+        topo = list(graphlib.TopologicalSorter(dict(enumerate(preds))).static_order())
+        fastest = [min(o.time_s for o in opts) for opts in options]
+        self.head, self.tail = [0.0] * n, [0.0] * n
+        for i in topo:
+            self.head[i] = max((self.head[a] + fastest[a] for a in preds[i]), default=0.0)
+        for i in reversed(topo):
+            self.tail[i] = max((fastest[b] + self.tail[b] for b in succs[i]), default=0.0)
+        self.shortest = max(h + f for h, f in zip(self.head, fastest))
+        """No plan's iteration is shorter: every instruction at its fastest, no switch."""
+
+    def energy(self, limit_s: float) -> float:
+        """No plan ending by ``limit_s`` takes less energy (``math.inf``: none ends by
+        then): each rank's least price within its windows, summed, and the makespan's
+        price at the shortest any plan takes."""
+        cell = limit_s / CELLS
+        total = 0.0
+        for order in self.dag.orders:
+            total += least_price(RankWindows(
+                [self.options[i] for i in order], [self.head[i] for i in order],
+                [limit_s - self.tail[i] for i in order], self.model.switch_key,
+                self.model.switch, self.model.blocking_power_w), cell)
+        static = self.dag.ranks * self.model.blocking_power_w + self.model.static_power_w
+        return total + static * self.shortest
+
+
+def switch_floor(dag, options: Sequence[Sequence[FrontierPoint]], model) -> float:
+    """The least the switches can add to an iteration's effective energy: 0 unless a
+    switch is priced below nothing (its seconds, not blocked, at more than its joules),
+    then that price at every pair of consecutive instructions (the relaxation without
+    switches stays a bound)."""
+    keys = {model.switch_key(o.choice): o.choice for opts in options for o in opts}
+    cheapest = min((joules - model.blocking_power_w * seconds
+                    for (a, ca), (b, cb) in itertools.permutations(keys.items(), 2)
+                    for seconds, joules in [model.switch(ca, cb)]), default=0.0)
+    return min(cheapest, 0.0) * len(options)
+
+
+def gap(value: float, bound: float) -> float:
+    """The proven relative gap of a plan of ``value`` (a share of it, 0 at best)."""
+    if value <= 0 or not math.isfinite(bound):
+        return 0.0 if value <= bound else math.inf
+    return max(0.0, (value - bound) / value)

@@ -1,0 +1,168 @@
+"""Pipelines too large to solve exactly (``planner.pipeline_large``): the plans are within
+their limits, and every gap they state holds against brute force on random small
+pipelines planned the large way (``exact_up_to=0``); the rank bound never exceeds the
+optimum; plans found before are weighed; a DAG above the threshold takes this path."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import numpy as np
+import pytest
+from test_pipeline_dag import _brute_force, _case, _least
+
+from kareus.planner.compose import FrontierPoint
+from kareus.planner.iteration import energy_model
+from kareus.planner.methods import InstructionChoice
+from kareus.planner.pipeline import (
+    EnergyModel,
+    PipelinePoint,
+    _prune,
+    fastest,
+    least_energy,
+    one_f_one_b,
+    pipeline_frontier,
+    side_by_side,
+)
+from kareus.planner.pipeline_large import EXACT_INSTRUCTIONS, RankBound, hull
+
+P = FrontierPoint
+
+
+def _holds(point: PipelinePoint, optimum: float) -> bool:
+    """The stated gap holds: the point is no more than its gap above the optimum."""
+    return point.energy_j * (1 - point.gap) <= optimum * (1 + 1e-7)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_large_plans_meet_their_limits_and_their_gaps_hold(seed):
+    rng = random.Random(seed)
+    dag, options, model, _ = _case(rng)
+    costs = makespan, _ = _brute_force(dag, options, model)
+    quick = fastest(dag, options, model=model, exact_up_to=0)
+    assert quick.time_s * (1 - quick.gap) <= makespan.min() * (1 + 1e-7)
+    assert 0 <= quick.gap < 1
+    limits = [None, quick.time_s, *(rng.uniform(quick.time_s, makespan.max())
+                                    for _ in range(2))]
+    for limit in limits:
+        point = least_energy(dag, options, time_limit_s=limit, model=model, exact_up_to=0)
+        optimum = _least(costs, np.inf if limit is None else limit)
+        assert point.energy_j >= optimum * (1 - 1e-9)  # no plan beats the optimum
+        assert _holds(point, optimum), (limit, point.gap)
+        if limit is not None:
+            assert point.time_s <= limit * (1 + 1e-9)
+        assert len(point.choices) == len(dag.instructions)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_the_rank_bound_never_exceeds_the_optimum(seed):
+    rng = random.Random(100 + seed)
+    dag, options, model, _ = _case(rng)
+    costs = makespan, _ = _brute_force(dag, options, model)
+    per = [_prune(options[i.stage, i.kind], model) for i in dag.instructions]
+    bound = RankBound(dag, per, model)
+    assert bound.shortest <= makespan.min() * (1 + 1e-9)
+    for limit in (makespan.min(), rng.uniform(makespan.min(), makespan.max()),
+                  makespan.max()):
+        assert bound.energy(limit) <= _least(costs, limit) * (1 + 1e-9)
+    assert bound.energy(bound.shortest * 0.9) == np.inf  # nothing ends before the shortest
+
+
+def _clocked(clock: int, time_s: float, energy_j: float) -> FrontierPoint:
+    return P(time_s, energy_j, InstructionChoice(clock, ()))
+
+
+def _stage_options(stages: int, heavy: int) -> dict:
+    """Options at three clocks per (stage, kind); stage ``heavy`` slower than the rest:
+    the others have slack every microbatch."""
+    options = {}
+    for s, kind in itertools.product(range(stages), ("forward", "backward")):
+        scale = (1.0 if kind == "forward" else 2.0) * (1.3 if s == heavy else 1.0)
+        options[s, kind] = [_clocked(c, scale * 1e-2 * (1980 / c) ** 0.9,
+                                     scale * 3.0 * (c / 1980) ** 1.2)
+                            for c in (1980, 1500, 1200)]
+    return options
+
+
+def test_a_rank_bound_charges_the_switches_the_relaxation_misses():
+    """With switches priced, slowing a rank's instructions between fast ones costs two
+    stalls: the rank bound knows it, the relaxation without switches does not, so near the
+    fastest time the rank bound is the higher (the tighter) of the two; both stay below
+    the exact optimum."""
+    dag = one_f_one_b(3, 4)
+    options = _stage_options(3, heavy=1)
+    model = energy_model(static_power_w=60.0, clock_switch_s=0.02, gpus=3)
+    exact = least_energy(dag, options, time_limit_s=fastest(dag, options, model=model).time_s,
+                         model=model)
+    per = [_prune(options[i.stage, i.kind], model) for i in dag.instructions]
+    free = energy_model(static_power_w=60.0, clock_switch_s=0.0, gpus=3)
+    relaxed = least_energy(dag, options, time_limit_s=exact.time_s, model=free)
+    ranks = RankBound(dag, per, model).energy(exact.time_s)
+    assert relaxed.energy_j <= ranks <= exact.energy_j * (1 + 1e-9)
+    assert ranks > relaxed.energy_j * (1 + 1e-3)
+
+
+def test_hull_keeps_the_lower_convex_hull_of_time_and_price():
+    a, b, c, d, e = P(1, 10, "a"), P(2, 6, "b"), P(3, 5, "c"), P(4, 1, "d"), P(5, 2, "e")
+    assert hull([c, a, e, d, b], 0.0) == [a, b, d]  # c above b-d; e slower and dearer
+    # the blocked power's price of time tilts the hull: 1 J of each second is saved
+    assert hull([P(1, 3, "x"), P(2, 3.5, "y")], 1.0) == [P(1, 3, "x"), P(2, 3.5, "y")]
+
+
+def test_a_deep_pipeline_is_planned_the_large_way_with_its_gaps_stated():
+    """320 instructions (above ``EXACT_INSTRUCTIONS``): the frontier comes back, every
+    point with its gap, the fastest as fast as every instruction at its fastest."""
+    dag = one_f_one_b(4, 40)
+    assert len(dag.instructions) > EXACT_INSTRUCTIONS
+    options = _stage_options(4, heavy=3)
+    model = energy_model(static_power_w=60.0, clock_switch_s=0.02, gpus=4)
+    frontier = pipeline_frontier(dag, options, model=model, points=4)
+    allfast = [min(options[i.stage, i.kind], key=lambda o: o.time_s) for i in dag.instructions]
+    assert frontier[0].time_s == pytest.approx(
+        pipeline_frontier(dag, {k: [min(v, key=lambda o: o.time_s)] for k, v in options.items()},
+                          model=model, points=2)[0].time_s)
+    assert len(allfast) == len(frontier[0].choices)
+    assert all(0 <= p.gap < 0.5 for p in frontier)
+    assert frontier[-1].energy_j < frontier[0].energy_j  # the slack is used
+    for a, b in itertools.pairwise(frontier):
+        assert a.time_s < b.time_s and a.energy_j > b.energy_j
+
+
+def test_plans_found_before_are_weighed():
+    """A plan handed in (another method's, whose options these dominate) that beats what
+    the shared options reach stands on the frontier, its gap against this program."""
+    dag = one_f_one_b(3, 4)
+    options = _stage_options(3, heavy=1)
+    model = energy_model(static_power_w=60.0, clock_switch_s=0.02, gpus=3)
+    limit = fastest(dag, options, model=model).time_s * 1.05
+    exact = least_energy(dag, options, time_limit_s=limit, model=model)
+    shared = least_energy(dag, options, time_limit_s=limit, model=model, exact_up_to=0)
+    assert exact.energy_j < shared.energy_j * (1 - 1e-6)  # the per-instruction plan is better
+    weighed = least_energy(dag, options, time_limit_s=limit, model=model, exact_up_to=0,
+                           known=[exact])
+    assert weighed.energy_j == pytest.approx(exact.energy_j)
+    assert weighed.gap == pytest.approx(shared.gap * shared.energy_j / exact.energy_j
+                                        - (shared.energy_j - exact.energy_j) / exact.energy_j)
+
+
+def test_solves_side_by_side_come_back_in_order_or_raise():
+    import time
+
+    assert side_by_side([lambda: (time.sleep(0.05), 1)[1], lambda: 2]) == [1, 2]
+    with pytest.raises(ValueError, match="second"):
+        side_by_side([lambda: time.sleep(0.05), lambda: (_ for _ in ()).throw(
+            ValueError("second"))])
+
+
+def test_a_model_with_negative_switch_prices_keeps_the_bound_below():
+    """A switch priced below nothing (its seconds not blocked, at more than its joules): the
+    relaxation without switches is floored by what the switches could take off."""
+    rng = random.Random(7)
+    dag, options, _, _ = _case(rng, one_f_one_b(2, 3))
+    model = EnergyModel(static_power_w=50.0, blocking_power_w=40.0,
+                        switch=lambda a, b: (0.5, 1.0) if a[0] != b[0] else (0.0, 0.0),
+                        switch_key=lambda c: c[0])
+    costs = _brute_force(dag, options, model)
+    point = least_energy(dag, options, time_limit_s=None, model=model, exact_up_to=0)
+    assert _holds(point, _least(costs, np.inf))
