@@ -41,7 +41,7 @@ from kareus.planner.pipeline_large import EXACT_INSTRUCTIONS
 
 DEVICE = "sim:h100-sxm"
 STAGES = (2, 4, 8, 16, 32)
-MICROBATCHES = {2: (8, 32, 128), 4: (8, 32, 128), 8: (8, 32, 128), 16: (16, 64, 128),
+MICROBATCHES = {2: (8, 32, 128), 4: (8, 128), 8: (8, 32, 128), 16: (16, 64, 128),
                 32: (32, 128)}  # 1F1B needs M >= PP; 16 x 64 is the workload
 EXACT = ((2, 8),)  # (PP, M) compared with the exact solve
 MAX_SOLVE_S = 20.0  # kareus plan's default

@@ -85,6 +85,7 @@ from kareus.planner.pipeline_large import (
     EXACT_INSTRUCTIONS,
     GAP,
     SHARED_SOLVE_S,
+    LargeParts,
     RankBound,
     Sharing,
     Weights,
@@ -745,19 +746,26 @@ class _Solver:
                             * o.time_s for o in opts) for opts in self.options)
         self.energy_unit = (reference or 1.0) / 1e5
         self.large = sharing is None and not relaxed and len(self.options) > exact_up_to
-        if self.large:  # planned by ``pipeline_large``: the program itself is never built
-            free = dataclasses.replace(model, switch=_free_switch)
-            self.relaxation = _Solver(dag, {key: hull(opts, model.blocking_power_w)
-                                            for key, opts in pruned.items()},
-                                      free, max_solve_s, relaxed=True)
-            self.quickest = _evaluate(dag, model, list(map(quickest, self.options)))
-            self.shared_program = _Solver(dag, options, model,
-                                          min(SHARED_SOLVE_S, max_solve_s or math.inf), True,
-                                          sharing=by_kind(dag, self.options))
-            self.rank_bound = RankBound(dag, self.options, model)
-            self.floor = switch_floor(dag, self.options, model)
-        else:
+        self.given_pruned = pruned
+        if not self.large:  # a large DAG is planned by ``pipeline_large``: never built
             self._build()
+
+    @functools.cached_property
+    def parts(self) -> LargeParts:
+        """What a large DAG is planned with (``_solve_large``); built where first needed
+        (a small DAG's too, where HiGHS finds no plan within its time)."""
+        model = self.model
+        free = dataclasses.replace(model, switch=_free_switch)
+        relaxation = _Solver(self.dag, {key: hull(opts, model.blocking_power_w)
+                                        for key, opts in self.given_pruned.items()},
+                             free, None, relaxed=True)  # a linear program: polynomial
+        shared = _Solver(self.dag, self.given, model,
+                         min(SHARED_SOLVE_S, self.max_solve_s or math.inf), True,
+                         sharing=by_kind(self.dag, self.options))
+        return LargeParts(relaxation, shared,
+                          _evaluate(self.dag, model, list(map(quickest, self.options))),
+                          RankBound(self.dag, self.options, model),
+                          switch_floor(self.dag, self.options, model))
 
     def _build(self) -> None:
         dag, model, tau = self.dag, self.model, self.time_unit
@@ -900,6 +908,8 @@ class _Solver:
         if result.status != 0 and not (found and (self.best_found or self.shared)):
             if self.shared:
                 return None
+            if self.best_found and result.status == 1:  # out of time without a plan
+                return self._solve_large(weights, limit_s, limit_j)
             raise PipelineSolveError(
                 f"HiGHS did not prove a plan of the {self.dag.stages}-stage pipeline on "
                 f"{self.dag.ranks} ranks optimal: {result.message}"
@@ -916,14 +926,16 @@ class _Solver:
 
     def _solve_large(self, weights: Weights, limit_s: float | None, limit_j: float | None
                      ) -> PipelinePoint | None:
-        """A large DAG's plan (``planner.pipeline_large``): of the program of shared
-        options and every instruction at its fastest, the better; its gap proven against
-        the relaxation without switches and, where that leaves more than ``GAP``, the
-        rank bound."""
+        """A large DAG's plan (``planner.pipeline_large``), and a small one's where HiGHS
+        found none in its time: of the program of shared options, every instruction at
+        its fastest and the plans found before, the best; its gap proven against the
+        relaxation without switches and, where that leaves more than ``GAP``, the rank
+        bound."""
+        parts = self.parts
         if weights.energy == 0 and limit_j is None and (
-                self.quickest.time_s <= self.rank_bound.shortest * (1 + 1e-12)):
-            return self.quickest  # no plan is faster
-        result, unit = self.relaxation._run(weights, limit_s, limit_j, integral=False)
+                parts.quickest.time_s <= parts.rank_bound.shortest * (1 + 1e-12)):
+            return parts.quickest  # no plan is faster
+        result, unit = parts.relaxation._run(weights, limit_s, limit_j, integral=False)
         if result.status == 2:
             return None
         if result.status != 0:
@@ -932,11 +944,11 @@ class _Solver:
                 f"pipeline on {self.dag.ranks} ranks: {result.message}; allow it more time "
                 "(max_solve_s)"
             )
-        bound = result.fun * unit + weights.energy * self.floor
-        found = [p for p in [self.quickest, *self.known]
+        bound = result.fun * unit + weights.energy * parts.floor
+        found = [p for p in [parts.quickest, *self.known]
                  if (limit_s is None or p.time_s <= limit_s)
                  and (limit_j is None or p.energy_j <= limit_j)]
-        found += [p for p in [self.shared_program._solve(weights, limit_s, limit_j)]
+        found += [p for p in [parts.shared._solve(weights, limit_s, limit_j)]
                   if p is not None]
         if not found:
             raise PipelineSolveError(
@@ -948,7 +960,7 @@ class _Solver:
         value = weights.of(best.time_s, best.energy_j)
         if gap(value, bound) > GAP and weights == ENERGY and limit_s is not None and (
                 limit_j is None):
-            bound = max(bound, self.rank_bound.energy(limit_s))
+            bound = max(bound, parts.rank_bound.energy(limit_s))
         self.known.append(best)  # a plan within these limits is within any looser
         return dataclasses.replace(best, gap=gap(value, bound))
 

@@ -35,6 +35,7 @@ import itertools
 import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kareus.planner.compose import FrontierPoint
 from kareus.planner.rank_dp import RankWindows, least_price
@@ -74,6 +75,19 @@ class Sharing:
 
     classes: tuple[Hashable, ...]
     options: tuple[tuple[FrontierPoint, ...], ...]
+
+
+@dataclass(frozen=True)
+class LargeParts:
+    """What a large DAG is planned with: the program without switches whose relaxation
+    bounds it, the program of shared options, the plan of every instruction at its
+    fastest, the rank bound, and the least the switches can take off (``switch_floor``)."""
+
+    relaxation: Any
+    shared: Any
+    quickest: Any
+    rank_bound: RankBound
+    floor: float
 
 
 def by_kind(dag, options: Sequence[Sequence[FrontierPoint]]) -> Sharing:

@@ -18,6 +18,7 @@ from kareus.planner.methods import InstructionChoice
 from kareus.planner.pipeline import (
     EnergyModel,
     PipelinePoint,
+    PipelineSolveError,
     _prune,
     fastest,
     least_energy,
@@ -166,3 +167,21 @@ def test_a_model_with_negative_switch_prices_keeps_the_bound_below():
     costs = _brute_force(dag, options, model)
     point = least_energy(dag, options, time_limit_s=None, model=model, exact_up_to=0)
     assert _holds(point, _least(costs, np.inf))
+
+
+def test_a_small_dag_out_of_time_without_a_plan_is_planned_the_large_way():
+    """HiGHS stopped before it found any plan of the exact program (``max_solve_s`` all
+    but zero): without ``best_found`` that fails; with it the solve falls back to the
+    large way, its gap stated and holding."""
+    fell_back = 0
+    for seed in range(8):
+        dag, options, model, _ = _case(random.Random(200 + seed))
+        try:
+            least_energy(dag, options, time_limit_s=None, model=model, max_solve_s=1e-9)
+            continue  # presolve proved it at once
+        except PipelineSolveError:
+            fell_back += 1
+        point = least_energy(dag, options, time_limit_s=None, model=model, max_solve_s=1e-9,
+                             best_found=True)
+        assert _holds(point, _least(_brute_force(dag, options, model), np.inf))
+    assert fell_back
