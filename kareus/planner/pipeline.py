@@ -84,7 +84,6 @@ from kareus.planner.compose import FrontierPoint, Switch, clock_of, fronts_by
 from kareus.planner.pipeline_large import (
     EXACT_INSTRUCTIONS,
     GAP,
-    SHARED_SOLVE_S,
     LargeParts,
     RankBound,
     Sharing,
@@ -93,6 +92,7 @@ from kareus.planner.pipeline_large import (
     gap,
     hull,
     quickest,
+    shared_solve_s,
     switch_floor,
 )
 
@@ -760,7 +760,8 @@ class _Solver:
                                         for key, opts in self.given_pruned.items()},
                              free, None, relaxed=True)  # a linear program: polynomial
         shared = _Solver(self.dag, self.given, model,
-                         min(SHARED_SOLVE_S, self.max_solve_s or math.inf), True,
+                         min(shared_solve_s(len(self.options)), self.max_solve_s or math.inf),
+                         True,
                          sharing=by_kind(self.dag, self.options))
         return LargeParts(relaxation, shared,
                           _evaluate(self.dag, model, list(map(quickest, self.options))),

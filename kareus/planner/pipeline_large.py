@@ -49,7 +49,13 @@ GAP = 0.01
 """The gap above which the rank bound is computed too."""
 
 SHARED_SOLVE_S = 2.0
-"""The most seconds HiGHS spends on one program of shared options."""
+"""The most seconds HiGHS spends on one program of shared options per 2048 instructions
+(its starts and precedence rows grow with the DAG; never less than this)."""
+
+
+def shared_solve_s(instructions: int) -> float:
+    """The time limit of one solve of the program of shared options (``SHARED_SOLVE_S``)."""
+    return SHARED_SOLVE_S * max(1.0, instructions / 2048)
 
 CELLS = 40_000
 """Time cells over the limit in the rank bound (rounding loosens it by under a cell an
