@@ -69,6 +69,7 @@ import functools
 import graphlib
 import itertools
 import math
+import sys
 import threading
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
@@ -723,14 +724,12 @@ class _Solver:
 
     def __init__(self, dag: PipelineDag, options: Options, model: EnergyModel,
                  max_solve_s: float | None, best_found: bool = False, *,
-                 sharing: Sharing | None = None, relaxed: bool = False,
-                 known: Sequence[PipelinePoint] = (),
+                 sharing: Sharing | None = None, known: Sequence[PipelinePoint] = (),
                  exact_up_to: int = EXACT_INSTRUCTIONS) -> None:
         """``sharing``: a smaller program (``pipeline_large.Sharing``), which returns None
-        where it finds no plan in its time; ``relaxed``: the program of every instruction
-        however large the DAG (its relaxation bounds a large DAG's plans); ``known``: plans
-        a large DAG's solves weigh as candidates, with every plan they find;
-        ``exact_up_to``: the most instructions of a DAG planned exactly."""
+        where it finds no plan in its time; ``known``: plans a large DAG's solves weigh as
+        candidates, with every plan they find; ``exact_up_to``: the most instructions of a
+        DAG planned exactly."""
         _check_options(dag, options)
         self.dag, self.model, self.max_solve_s = dag, model, max_solve_s
         self.best_found, self.shared, self.given = best_found, sharing is not None, options
@@ -745,8 +744,8 @@ class _Solver:
         reference = sum(max(abs(o.effective_energy_j) + (model.static_power_w + block)
                             * o.time_s for o in opts) for opts in self.options)
         self.energy_unit = (reference or 1.0) / 1e5
-        self.large = sharing is None and not relaxed and len(self.options) > exact_up_to
-        self.given_pruned = pruned
+        self.large = sharing is None and len(self.options) > exact_up_to
+        self.pruned = pruned
         if not self.large:  # a large DAG is planned by ``pipeline_large``: never built
             self._build()
 
@@ -756,9 +755,11 @@ class _Solver:
         (a small DAG's too, where HiGHS finds no plan within its time)."""
         model = self.model
         free = dataclasses.replace(model, switch=_free_switch)
+        # every instruction's program however large (only its relaxation is solved: a
+        # linear program, never time-limited)
         relaxation = _Solver(self.dag, {key: hull(opts, model.blocking_power_w)
-                                        for key, opts in self.given_pruned.items()},
-                             free, None, relaxed=True)  # a linear program: polynomial
+                                        for key, opts in self.pruned.items()},
+                             free, None, exact_up_to=sys.maxsize)
         shared = _Solver(self.dag, self.given, model,
                          min(shared_solve_s(len(self.options)), self.max_solve_s or math.inf),
                          True,

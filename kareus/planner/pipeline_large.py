@@ -2,16 +2,16 @@
 that state how far from optimal it can be.
 
 The exact program (``planner.pipeline``) weighs every instruction's option; HiGHS proves
-plans of a few hundred instructions, but Llama 3.1 70B at 16 stages x 64 microbatches has
-2048, and the full program's relaxation alone takes a minute there (its switch rows). A
+small DAGs (some of 128 instructions take it over a minute), but Llama 3.1 70B at 16
+stages x 64 microbatches has 2048, and the full program's relaxation alone takes a minute
+there (its switch rows). A
 large DAG is planned in steps whose cost grows gently with it:
 
 1. **The plan: shared options.** The program with each (stage, kind)'s instructions
    sharing one option (``by_kind``): a few hundred binaries whatever the microbatches,
-   every switch priced, solved by HiGHS within ``SHARED_SOLVE_S``. Perseus's and EnvPipe's
-   plans are mostly of this shape: a stage off the critical path runs slower throughout.
-   The plan of every instruction at its fastest is a candidate too, so a plan is found
-   wherever one is fast enough.
+   every switch priced, solved by HiGHS within ``shared_solve_s``: a stage off the
+   critical path runs slower throughout. The plan of every instruction at its fastest is
+   a candidate too, so a plan is found wherever one is fast enough.
 2. **The bound: the relaxation without switches.** The full program's linear relaxation
    with every clock switch free and only each (stage, kind)'s lower convex hull of
    options (``hull``: the only ones a relaxation mixes): about a second for 2048
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import graphlib
 import itertools
-import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -176,6 +175,4 @@ def switch_floor(dag, options: Sequence[Sequence[FrontierPoint]], model) -> floa
 
 def gap(value: float, bound: float) -> float:
     """The proven relative gap of a plan of ``value`` (a share of it, 0 at best)."""
-    if value <= 0 or not math.isfinite(bound):
-        return 0.0 if value <= bound else math.inf
-    return max(0.0, (value - bound) / value)
+    return max(0.0, (value - bound) / value) if value > 0 else 0.0
