@@ -62,6 +62,7 @@ spread by more than 5%.
 from __future__ import annotations
 
 import argparse
+import bisect
 import dataclasses
 import json
 import sys
@@ -87,8 +88,9 @@ from kareus.offline.workload import Workload as Training
 from kareus.passes.decide import Choice
 from kareus.passes.ops import DEFAULT_CLOCK_MHZ
 from kareus.planner.measured import FirstCallPlanning
-from kareus.profiler.graph_cost import measured_clocks
+from kareus.profiler.graph_cost import GraphMeasurer, measured_clocks
 from kareus.profiler.measure import COUNTER_PERIOD_S, Protocol
+from kareus.profiler.replicas import deal
 from kareus.profiler.search import Config, Point, hypervolume
 from kareus.reports import GraphReport
 from kareus.version import __version__
@@ -178,11 +180,43 @@ class GraphCount:
     partitions: list[dict[str, Any]] = field(default_factory=list)
     whole: dict[str, Any] = field(default_factory=dict)
 
-    rounds: list[tuple[int, int, float]] = field(default_factory=list)
-    """The partition searches' measurements (batch, clock, run time) in the order taken."""
+    rounds: list[tuple[int, int, float, int]] = field(default_factory=list)
+    """The partition searches' measurements (batch, clock, run time, the search's index in
+    ``partitions``) in the order taken."""
 
     def partition_run_s(self) -> list[float]:
-        return [r for _, _, r in self.rounds]
+        return [r for _, _, r, _ in self.rounds]
+
+    def replica_partition_s(self, protocol: Protocol, replicas: int) -> float:
+        """The partition searches' node time with ``replicas`` data-parallel replicas
+        starting together: each searches one slice (``replicas.deal`` over the searches'
+        most evaluations, as ``profile`` deals them), in rounds of that slice's searches
+        alone (a search proposes what it would alone, so its rounds are the full rounds'
+        share), and the node waits for the longest slice."""
+        slices = deal([p["weight"] for p in self.partitions], replicas)
+        return max((_batches_s([(r, f, b) for b, f, r, i in self.rounds if i in set(part)],
+                               protocol) for part in slices), default=0.0)
+
+    def replica_whole_s(self, protocol: Protocol, replicas: int) -> float:
+        """The whole graph's node time with ``replicas`` replicas: each round's clocks
+        dealt among them as ``graph_cost.GraphMeasurer`` deals them (a slice per replica,
+        by the variants at each clock), the node waiting for the longest slice of each
+        round (its first batch counted with a clock switch: an upper bound), and the chosen
+        point checked once, by one replica."""
+        entries = list(zip(self.whole.get("run_s", []), self.whole.get("clock_mhz", []),
+                           self.whole.get("batch", []), self.whole.get("round", []),
+                           strict=True))
+        total = sum(map(protocol.seconds_per_check, self.whole.get("check_run_s", [])))
+        for r in sorted({entry[3] for entry in entries}):
+            batches: dict[int, list[tuple[float, int, int]]] = {}
+            for run_s, clock, batch, in_round in entries:
+                if in_round == r:
+                    batches.setdefault(batch, []).append((run_s, clock, batch))
+            ordered = list(batches.values())
+            slices = deal([len(b) for b in ordered], replicas)
+            total += max(_batches_s([e for i in part for e in ordered[i]], protocol)
+                         for part in slices)
+        return total
 
     def to_json(self, protocol: Protocol) -> dict[str, Any]:
         per_k: dict[str, dict[str, float]] = {}
@@ -193,7 +227,7 @@ class GraphCount:
             k["evaluations"] += p["evaluations"]
             k["measured"] += p["measured"]
             k["gpu_s"] += p["kareus_gpu_s"]
-        partition_s = _batches_s([(r, f, b) for b, f, r in self.rounds], protocol)
+        partition_s = _batches_s([(r, f, b) for b, f, r, _ in self.rounds], protocol)
         whole = list(zip(self.whole.get("run_s", []), self.whole.get("clock_mhz", []),
                          self.whole.get("batch", []), strict=True))
         checks = self.whole.get("check_run_s", [])
@@ -208,7 +242,9 @@ class GraphCount:
             "whole_graph_measurements": len(self.whole.get("run_s", [])),
             "partition_gpu_s": partition_s, "whole_graph_gpu_s": whole_s,
             "gpu_s": partition_s + whole_s,
-            "partition_rounds": len({b for b, _, _ in self.rounds}),
+            "replicas_gpu_s": (self.replica_partition_s(protocol, REPLICAS)
+                               + self.replica_whole_s(protocol, REPLICAS)),
+            "partition_rounds": len({b for b, _, _, _ in self.rounds}),
             "partition_batches": [list(entry) for entry in self.rounds],
             "whole_graph_clock_switches": _switches([f for _, f, _ in whole]),
             "sampled_counter_gpu_s": sum(
@@ -256,7 +292,7 @@ def count(
             compile_microbatch(workload, backend)
         traced_s = time.perf_counter() - started
         reports = backend.reports()
-        graphs = _partition_counts(reports, gpu.log)
+        graphs = _partition_counts(reports, gpu.log, search_budget)
         for first in deferred:
             _whole_graph(first, gpu, graphs[first.analysis.label])
         planned = _true_frontiers(deferred, gpu)
@@ -296,9 +332,10 @@ def _totals(rows: list[dict[str, Any]], measurements: int, protocol: Protocol,
         "node_wall_minutes": per_rank / 60,
         "gpu_minutes_per_node": per_rank * tp / 60,
         "target_gpu_minutes_per_node": TARGET_GPU_MINUTES_PER_NODE,
-        # Replicas measure all of it each (no sharing yet): the same per node.
+        # Replicas share each graph's partition searches and whole-graph clocks, a slice
+        # each (``GraphCount.replica_partition_s``, ``replica_whole_s``).
         "replicas": REPLICAS,
-        "gpu_minutes_per_node_with_replicas": per_rank * tp / 60,
+        "gpu_minutes_per_node_with_replicas": sum(r["replicas_gpu_s"] for r in rows) * tp / 60,
         "sampled_counter_gpu_s_per_rank": sampled,
         "sampled_counter_gpu_minutes_per_node": sampled * tp / 60,
         "sampled_window_s": SAMPLED_WINDOW_S,
@@ -316,7 +353,8 @@ def _totals(rows: list[dict[str, Any]], measurements: int, protocol: Protocol,
     }
 
 
-def _partition_counts(reports: Sequence[GraphReport], log: list[Logged]) -> dict[str, GraphCount]:
+def _partition_counts(reports: Sequence[GraphReport], log: list[Logged], search_budget: int
+                      ) -> dict[str, GraphCount]:
     """Each compiled graph's partition searches, with the measurements each took: the
     log's partition entries, graphs in compile order, each entry given to the profile of
     its partition and count (a graph's searches measure side by side, a round at a time),
@@ -329,9 +367,11 @@ def _partition_counts(reports: Sequence[GraphReport], log: list[Logged]) -> dict
                                               report.kind)
         taken = entries[at: at + sum(p.measured for p in report.profiles)]
         at += len(taken)
-        for p in report.profiles:
+        searches = {}
+        for index, p in enumerate(report.profiles):
             mine = [e for e in taken if f"({p.key})" in e.name
                     and f" k={p.nanobatches} " in e.name]
+            searches.update({id(e): index for e in mine})
             if len(mine) != p.measured:
                 raise RuntimeError(f"{report.label}: {len(mine)} measurements of {p.key} at "
                                    f"k={p.nanobatches}, which measured {p.measured}")
@@ -341,10 +381,11 @@ def _partition_counts(reports: Sequence[GraphReport], log: list[Logged]) -> dict
                 "evaluations": p.evaluations, "measured": p.measured, "stopped": p.stopped,
                 "error": p.error, "kareus_gpu_s": p.gpu_s,
                 "run_s": [e.run_s for e in mine],
+                "weight": min(search_budget, p.space_size),
             })
         if any(e.batch is None for e in taken):
             raise RuntimeError(f"{report.label}: a partition measured outside a round")
-        g.rounds = [(e.batch, e.clock_mhz, e.run_s) for e in taken]
+        g.rounds = [(e.batch, e.clock_mhz, e.run_s, searches[id(e)]) for e in taken]
     if at != len(entries):
         raise RuntimeError("partition measurements that no profile took")
     return graphs
@@ -470,7 +511,15 @@ def _whole_graph(first: FirstCallPlanning, gpu: MeasuringGPU, into: GraphCount) 
     variant. Where it failed (the graph is then not planned, and its report says why),
     what measuring the unrewritten graph would have taken."""
     start = len(gpu.log)
-    FirstCallPlanning.__call__(first, ())
+    rounds: list[int] = []  # the first batch of each round of measuring (``_measure``)
+    measure = GraphMeasurer._measure
+
+    def measuring(self: GraphMeasurer, choices: list[Choice]) -> None:
+        rounds.append(gpu._batches)
+        measure(self, choices)
+
+    with mock.patch.object(GraphMeasurer, "_measure", measuring):
+        FirstCallPlanning.__call__(first, ())
     checks = [e.run_s for e in gpu.log[start:] if e.check]
     taken = [e for e in gpu.log[start:] if not e.check]
     label = first.analysis.label
@@ -491,6 +540,7 @@ def _whole_graph(first: FirstCallPlanning, gpu: MeasuringGPU, into: GraphCount) 
               "default" if variant in defaults else "candidate"] += 1
     into.whole = {"variants": kinds, "measured": len(taken), "run_s": [e.run_s for e in taken],
                   "clock_mhz": [e.clock_mhz for e in taken], "batch": [e.batch for e in taken],
+                  "round": [bisect.bisect_right(rounds, e.batch) - 1 for e in taken],
                   "check_run_s": checks}
 
 
@@ -556,8 +606,10 @@ def table(result: dict[str, Any]) -> Table:
          "clock switches; each graph's chosen point checked once in a long window "
          f"({t['checks']} checks)."),
         (f"With {t['replicas']} data-parallel replicas: "
-         f"{t['gpu_minutes_per_node_with_replicas']:.1f} GPU-minutes per node (replicas do "
-         "not share the work yet). If the counter samples part of the time (windows of "
+         f"{t['gpu_minutes_per_node_with_replicas']:.1f} GPU-minutes per node (each "
+         "graph's partition searches, and each round's whole-graph clocks, dealt into a slice "
+         "per replica; each chosen point checked by one). If the counter samples part of "
+         "the time (windows of "
          f"{t['sampled_window_s']:g} s, 3 repeats): "
          f"{t['sampled_counter_gpu_minutes_per_node']:.0f} GPU-minutes per node."),
         _quality_line(result["quality"]),

@@ -34,7 +34,7 @@ def test_the_counted_measurements_add_up_to_what_kareus_charged(tmp_path):
         # the searches of a graph measure in rounds, one clock each (a batch), the clock
         # switched between rounds only; each search is charged its share of a round
         rounds: dict[int, tuple[int, list[float]]] = {}
-        for batch, clock, run_s in g["partition_batches"]:
+        for batch, clock, run_s, _search in g["partition_batches"]:
             rounds.setdefault(batch, (clock, []))[1].append(run_s)
         clocks = [clock for clock, _ in rounds.values()]
         partition_s = sum(
@@ -59,12 +59,17 @@ def test_the_counted_measurements_add_up_to_what_kareus_charged(tmp_path):
                                             pytest.approx(g["whole_graph_gpu_s"] - checked))
         assert not batched or g["whole_graph_gpu_s"] - checked < alone  # shared readings
         assert g["gpu_s"] == pytest.approx(result["kareus_gpu_s"].get(g["label"], 0.0))
+        # replicas share the partition searches and each round's clocks, a slice each:
+        # the node waits for the longest, never longer than one replica measuring all
+        assert 0 < g["replicas_gpu_s"] <= g["gpu_s"] + 1e-9
+        assert len(whole.get("round", [])) == len(whole["run_s"])
     assert totals["partition_evaluations"] > 0 and totals["whole_graph_measurements"] > 0
     assert totals["measurements"] == (totals["partition_evaluations"]
                                       + totals["whole_graph_measurements"] + totals["checks"])
     assert totals["checks"] > 0
     assert totals["gpu_s_per_rank"] == pytest.approx(sum(result["kareus_gpu_s"].values()))
     assert totals["gpu_minutes_per_node"] == pytest.approx(totals["gpu_s_per_rank"] * 2 / 60)
+    assert totals["gpu_minutes_per_node_with_replicas"] < totals["gpu_minutes_per_node"]
     assert totals["sampled_counter_gpu_s_per_rank"] > 10 * totals["gpu_s_per_rank"]
     whole = sum(g["whole_graph_measurements"] for g in graphs)
     assert sum(g["whole_graph_clock_switches"] for g in graphs) < whole  # a clock at a time

@@ -108,9 +108,11 @@ class FirstCallPlanning:
             finally:
                 if self.device.controls_clocks:
                     self.device.clock_controller().reset()
+        replicas = (f", {measured.shared} taken by another data-parallel replica"
+                    if measured.shared else "")
         summary = (f"whole graph measured at its first call: {measured.measured} "
-                   f"measurements taken ({measured.gpu_s:.1f} GPU-s), {measured.reused} read "
-                   f"from the store; {self.spend.describe(label)}")
+                   f"measurements taken ({measured.gpu_s:.1f} GPU-s){replicas}, "
+                   f"{measured.reused} read from the store; {self.spend.describe(label)}")
         if shows:
             make_console().print(f"kareus {label}: {summary}")
         choice, note = self.planner.choose(self.analysis, self.profiles, measured.cost,

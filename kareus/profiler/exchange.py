@@ -183,7 +183,7 @@ class Team:
         """Post the outcomes (a search's result and measurements, or why it failed, for
         each search the team ran) as instruction ``step``: the others adopt them."""
         if not self.alone:
-            self._store.set(self._step(step), f"done {_outcomes_json(outcomes)}")
+            self._store.set(self._step(step), f"done {outcomes_json(outcomes)}")
 
     def abort(self, reason: str) -> None:
         if not self.alone:
@@ -207,7 +207,7 @@ class Team:
                 raise
             kind, _, payload = _text(self._store.get(self._step(step))).partition(" ")
             if kind == "done":
-                return _outcomes(payload, self.decode)
+                return read_outcomes(payload, self.decode)
             if kind not in ("measure", "batch") or (kind == "batch" and not measure_batch_here):
                 raise UnreadableInstructionError(
                     f"unreadable instruction {kind!r} under {self._keys}"
@@ -288,7 +288,8 @@ def _measurement(text: str | dict) -> Measurement:
     return Measurement(**{**fields, "resources": tuple(map(tuple, fields["resources"]))})
 
 
-def _outcomes_json(outcomes: Sequence[Outcome]) -> str:
+def outcomes_json(outcomes: Sequence[Outcome]) -> str:
+    """Searches' outcomes as the text a team's leader (or a replica, ``replicas``) posts."""
     def one(outcome: Outcome) -> dict[str, Any]:
         if isinstance(outcome, str):
             return {"error": outcome}
@@ -303,7 +304,8 @@ def _outcomes_json(outcomes: Sequence[Outcome]) -> str:
     return json.dumps([one(outcome) for outcome in outcomes])
 
 
-def _outcomes(text: str, decode: Callable[[dict[str, Any]], Hashable]) -> list[Outcome]:
+def read_outcomes(text: str, decode: Callable[[dict[str, Any]], Hashable]) -> list[Outcome]:
+    """The outcomes :func:`outcomes_json` wrote, configurations made by ``decode``."""
     def one(data: dict[str, Any]) -> Outcome:
         if "error" in data:
             return data["error"]

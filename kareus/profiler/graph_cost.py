@@ -48,10 +48,11 @@ from kareus.errors import KareusError
 from kareus.passes.analyse import GraphAnalysis
 from kareus.passes.decide import Choice
 from kareus.passes.variants import Variant
-from kareus.profiler.exchange import ProfilingAborted, Team
+from kareus.profiler.exchange import ProfilingAborted, Team, outcomes_json, read_outcomes
 from kareus.profiler.interrupt import check
 from kareus.profiler.measure import GpuTime, ProfileBudgetSpent, measure_batch
 from kareus.profiler.profile import Progress, Settings
+from kareus.profiler.replicas import Pool, digest
 from kareus.profiler.search import Point, SearchResult
 from kareus.profiler.store import Knobs, ProfileKey, ProfileStore
 
@@ -159,6 +160,8 @@ class MeasuredGraph:
     measured: int
     reused: int
     gpu_s: float
+    shared: int = 0
+    """Measurements another data-parallel replica took (``replicas.Pool``)."""
 
     @property
     def grid(self) -> tuple[int, ...]:
@@ -266,7 +269,7 @@ class GraphMeasurer:
                                    stop, decode=_choice)
         self.search_clocks = tuple(device.search_clocks())
         self.measurements: dict[Choice, Measurement] = {}
-        self.fresh = self.reused = 0
+        self.fresh = self.reused = self.shared = 0
         self.ran = 0  # variants this rank ran in the team's batches: alike on every rank
         self.gpu_s = 0.0
         self._steps = 0
@@ -307,7 +310,7 @@ class GraphMeasurer:
             ((_, self.measurements),) = self.team.follow(
                 self._measure_here, self._measure_batch_here)
         return MeasuredGraph(dict(self.measurements), self.search_clocks, self.team.group_size,
-                             self.fresh, self.reused, self.gpu_s)
+                             self.fresh, self.reused, self.gpu_s, self.shared)
 
     def _asking_cost(
         self, variant: Variant | None, clocks: Sequence[int]
@@ -339,15 +342,29 @@ class GraphMeasurer:
 
     def _measure(self, choices: list[Choice]) -> None:
         """``choices`` measured for the team a clock at a time, from the clock the last
-        batch ran at downwards and then upwards."""
+        batch ran at downwards and then upwards; the clocks dealt among the data-parallel
+        replicas asking for the same (``replicas.Pool``), each measuring its share."""
         by_clock: dict[int, list[Choice]] = {}
         for c in choices:
             by_clock.setdefault(c.clock_mhz, []).append(c)
         top = self._clock if self._clock is not None else max(by_clock)
         order = sorted((f for f in by_clock if f <= top), reverse=True) + sorted(
             f for f in by_clock if f > top)
-        for clock in order:
-            batch = by_clock[clock]
+        batches = [by_clock[f] for f in order]
+        pool = Pool.of(digest([self._key(c).digest() + f" {c}" for c in choices]),
+                       self.team.group_size, self.settings.timeout_s, self.stop)
+        for shared in pool.share([len(b) for b in batches],
+                                 lambda part: self._batches([batches[i] for i in part])):
+            if not shared.here:  # another replica measured them
+                self._adopt(_read(shared.posted))
+        if self.progress is not None:
+            done = len(self.measurements)
+            self.progress(self.label, done, done, [Point.of(c, x)
+                                                  for c, x in self.measurements.items()])
+
+    def _batches(self, batches: list[list[Choice]]) -> str:
+        """Each batch measured by the team at its clock, in order; what a replica posts."""
+        for batch in batches:
             self.spend.check()
             found = self.team.measure_batch(self._steps, batch, self._measure_batch_here)
             self._steps += 1
@@ -356,10 +373,15 @@ class GraphMeasurer:
                 self.measurements[choice] = m
                 self.store.record(self._key(choice), _knobs(choice), m,
                                   replace=self.settings.mode == "refresh")
-        if self.progress is not None:
-            done = len(self.measurements)
-            self.progress(self.label, done, done, [Point.of(c, x)
-                                                  for c, x in self.measurements.items()])
+        return _posted({c: self.measurements[c] for batch in batches for c in batch})
+
+    def _adopt(self, measurements: dict[Choice, Measurement]) -> None:
+        """Batches another replica measured: taken, and kept in the store."""
+        for choice, m in measurements.items():
+            if self.measurements.get(choice) != m:
+                self.shared += 1
+            self.measurements[choice] = m
+            self.store.record(self._key(choice), _knobs(choice), m)
 
     def check(self, choice: Choice, measured: MeasuredGraph) -> str | None:
         """The chosen ``choice`` measured once more on every rank of the team, apart from
@@ -374,17 +396,33 @@ class GraphMeasurer:
                               self.settings.timeout_s, self.stop, decode=_choice)
         if team.leads:
             try:
-                found = team.measure(0, point, self._check_here)
+                found, steps = self._checked_once(team, point)
             except BaseException as exc:
                 team.abort(f"rank {team.rank} failed: {type(exc).__name__}: {exc}")
                 raise
-            team.finish(1, [(SearchResult([Point.of(point, found)], "checked"), {point: found})])
+            team.finish(steps, [(SearchResult([Point.of(point, found)], "checked"),
+                                 {point: found})])
         else:
             ((_, checked),) = team.follow(self._check_here)
             found = checked[point]
         return (f"the chosen point ({point}) checked in one {CHECK_WINDOW_S:g} s window: "
                 f"time {found.time_s / expected.time_s - 1:+.1%}, energy "
                 f"{found.energy_j / expected.energy_j - 1:+.1%} from what the plan used")
+
+    def _checked_once(self, team: Team, point: Choice) -> tuple[Measurement, int]:
+        """``point`` checked by the team, or by the first data-parallel replica to claim
+        the check of the same point (``replicas.Pool``), whose measurement the others take;
+        and the team's instructions it took (0 where adopted)."""
+        pool = Pool.of(digest([self._key(point).digest(), f"check {point}"]), team.group_size,
+                       self.settings.timeout_s, self.stop)
+        here: list[Measurement] = []
+
+        def measure(part: Sequence[int]) -> str:
+            here.append(team.measure(0, point, self._check_here))
+            return _posted({point: here[0]})
+
+        (shared,) = pool.share([1], measure)
+        return _read(shared.posted)[point], len(here)
 
     def _check_here(self, choice: Choice, agree: Callable[[int], int] | None) -> Measurement:
         check(self.stop)
@@ -421,6 +459,17 @@ class GraphMeasurer:
     def _spent(self, seconds: float) -> None:
         self.gpu_s += seconds
         self.spend.charge(self.analysis.label, seconds)
+
+
+def _posted(measurements: dict[Choice, Measurement]) -> str:
+    """Measurements as a replica posts them (``exchange.outcomes_json``)."""
+    points = [Point.of(c, m) for c, m in measurements.items()]
+    return outcomes_json([(SearchResult(points, "measured"), measurements)])
+
+
+def _read(posted: str) -> dict[Choice, Measurement]:
+    ((_, measurements),) = read_outcomes(posted, _choice)
+    return measurements
 
 
 def _knobs(choice: Choice) -> Knobs:

@@ -29,9 +29,10 @@ from kareus.passes.analyse import GraphAnalysis
 from kareus.passes.collectives import find_collectives
 from kareus.passes.partition import Partition
 from kareus.passes.variants import PartitionChoices
-from kareus.profiler.exchange import ProfilingAborted, Team
+from kareus.profiler.exchange import ProfilingAborted, Team, outcomes_json, read_outcomes
 from kareus.profiler.interrupt import check
 from kareus.profiler.measure import GpuTime, Protocol, measure_batch
+from kareus.profiler.replicas import Pool, digest
 from kareus.profiler.search import (
     ClockSearch,
     Config,
@@ -270,10 +271,26 @@ class _Schedule:
         return [search.profile() for search in self.searches]
 
     def _lead(self, progress: Progress | None) -> None:
+        """Every search of the schedule, this team's share searched here and the rest
+        adopted from the data-parallel replicas holding the same searches
+        (``replicas.Pool``); the outcomes then posted to the team."""
         settings = self.context.settings
         for search in self.searches:
             search.replay()
-        active = [s for s in self.searches if s.result is None]
+        pool = Pool.of(digest([s.identity for s in self.searches]), self.team.group_size,
+                       settings.timeout_s, self.context.stop)
+        for shared in pool.share([s.weight for s in self.searches],
+                                 lambda part: self._slice(part, progress)):
+            if not shared.here:  # another replica searched it
+                for i, outcome in zip(shared.indices, read_outcomes(shared.posted, _decode),
+                                      strict=True):
+                    self.searches[i].adopt(outcome, store=True)
+        self.team.finish(self.step, [s.outcome() for s in self.searches])
+
+    def _slice(self, part: Sequence[int], progress: Progress | None) -> str:
+        """The searches ``part`` (indices) side by side, a round per clock; their outcomes."""
+        settings = self.context.settings
+        active = [self.searches[i] for i in part if self.searches[i].result is None]
 
         def measure(clock: int, batch: list[tuple[int, Config]]) -> list[Measurement]:
             return self._round(clock, [Tagged(self.searches.index(active[i]), config)
@@ -292,7 +309,7 @@ class _Schedule:
             results = lockstep(active, active[0].space.clocks, measure, after)
             for search, result in zip(active, results, strict=True):
                 search.finished(result)
-        self.team.finish(self.step, [s.outcome() for s in self.searches])
+        return outcomes_json([self.searches[i].outcome() for i in part])
 
     def _round(self, clock: int, batch: list[Tagged]) -> list[Measurement]:
         """One round at ``clock``: what the store holds read back, the rest measured by
@@ -447,12 +464,30 @@ class _Search:
         assert self.result is not None
         return self.result, self.measured
 
-    def adopt(self, outcome: tuple[SearchResult, dict[Any, Measurement]] | str) -> None:
-        """What a follower takes from the leader's post."""
+    def adopt(self, outcome: tuple[SearchResult, dict[Any, Measurement]] | str,
+              store: bool = False) -> None:
+        """What a follower takes from the leader's post, or a leader from a replica's
+        (``store``: kept in the profile store too, so the next run measures nothing)."""
+        self.error = None  # a slice failed here may stand as another replica searched it
         if isinstance(outcome, str):
             self.fail(outcome)
-        else:
-            self.result, self.measured = outcome
+            return
+        self.result, self.measured = outcome
+        if store:
+            for config, m in self.measured.items():
+                self.context.store.record(self.key, self.knobs(config), m)
+            self.finished(self.result)
+
+    @property
+    def identity(self) -> str:
+        """What the search is, the same on every replica holding it (``replicas.digest``)."""
+        return f"{self.key.digest()} {self.search_id} {self.context.settings.mode}"
+
+    @property
+    def weight(self) -> int:
+        """The most evaluations it takes, to balance replicas' slices."""
+        return self.space.size if self.grid else min(self.context.settings.budget,
+                                                     self.space.size)
 
     def fail(self, reason: str) -> None:
         self.error = reason

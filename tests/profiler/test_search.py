@@ -264,6 +264,10 @@ def test_searches_side_by_side_measure_what_each_would_alone_in_shared_rounds():
         assert t.stopped == a.stopped and t.hypervolumes == a.hypervolumes
     shared = [r for r in rounds if len(set(r[1])) == 2]
     assert shared and len(rounds) < sum(len(a.rounds) for a in alone)
+    # a search's share of the rounds is the rounds it makes alone (what a replica searching
+    # a slice of a schedule measures: benchmarks/profiling_cost.py counts it so)
+    for i, a in enumerate(alone):
+        assert [r[1].count(i) for r in rounds if i in r[1]] == a.rounds
 
 
 def test_a_grid_search_measures_every_configuration_a_clock_at_a_time():
