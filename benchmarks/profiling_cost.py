@@ -198,24 +198,25 @@ class GraphCount:
                                protocol) for part in slices), default=0.0)
 
     def replica_whole_s(self, protocol: Protocol, replicas: int) -> float:
-        """The whole graph's node time with ``replicas`` replicas: each round's clocks
-        dealt among them as ``graph_cost.GraphMeasurer`` deals them (a slice per replica,
-        by the variants at each clock), the node waiting for the longest slice of each
-        round (its first batch counted with a clock switch: an upper bound), and the chosen
-        point checked once, by one replica."""
+        """The whole graph's node time with ``replicas`` replicas: each round's batches (a
+        clock each) claimed one at a time, as ``graph_cost.GraphMeasurer`` claims them (a
+        work queue: the next batch to the replica free first), the node waiting for the
+        last of each round (a replica's first batch of a round counted with a clock
+        switch: an upper bound), and the chosen point checked once, by one replica."""
         entries = list(zip(self.whole.get("run_s", []), self.whole.get("clock_mhz", []),
                            self.whole.get("batch", []), self.whole.get("round", []),
                            strict=True))
         total = sum(map(protocol.seconds_per_check, self.whole.get("check_run_s", [])))
         for r in sorted({entry[3] for entry in entries}):
-            batches: dict[int, list[tuple[float, int, int]]] = {}
+            batches: dict[int, tuple[int, list[float]]] = {}
             for run_s, clock, batch, in_round in entries:
                 if in_round == r:
-                    batches.setdefault(batch, []).append((run_s, clock, batch))
-            ordered = list(batches.values())
-            slices = deal([len(b) for b in ordered], replicas)
-            total += max(_batches_s([e for i in part for e in ordered[i]], protocol)
-                         for part in slices)
+                    batches.setdefault(batch, (clock, []))[1].append(run_s)
+            free = [0.0] * replicas
+            for clock, runs in batches.values():
+                first = min(range(replicas), key=lambda i: (free[i], i))
+                free[first] += protocol.seconds_per_batch(runs)
+            total += max(free)
         return total
 
     def to_json(self, protocol: Protocol) -> dict[str, Any]:
@@ -607,9 +608,9 @@ def table(result: dict[str, Any]) -> Table:
          f"({t['checks']} checks)."),
         (f"With {t['replicas']} data-parallel replicas: "
          f"{t['gpu_minutes_per_node_with_replicas']:.1f} GPU-minutes per node (each "
-         "graph's partition searches, and each round's whole-graph clocks, dealt into a slice "
-         "per replica; each chosen point checked by one). If the counter samples part of "
-         "the time (windows of "
+         "graph's partition searches dealt into a slice per replica, each round's whole-graph "
+         "clocks claimed one at a time; each chosen point checked by one). If the counter "
+         "samples part of the time (windows of "
          f"{t['sampled_window_s']:g} s, 3 repeats): "
          f"{t['sampled_counter_gpu_minutes_per_node']:.0f} GPU-minutes per node."),
         _quality_line(result["quality"]),

@@ -342,8 +342,9 @@ class GraphMeasurer:
 
     def _measure(self, choices: list[Choice]) -> None:
         """``choices`` measured for the team a clock at a time, from the clock the last
-        batch ran at downwards and then upwards; the clocks dealt among the data-parallel
-        replicas asking for the same (``replicas.Pool``), each measuring its share."""
+        batch ran at downwards and then upwards; where data-parallel replicas ask for the
+        same, each clock's batch is claimed by one of them (``replicas.Pool``: a work
+        queue) and the others take its measurements."""
         by_clock: dict[int, list[Choice]] = {}
         for c in choices:
             by_clock.setdefault(c.clock_mhz, []).append(c)
@@ -353,7 +354,7 @@ class GraphMeasurer:
         batches = [by_clock[f] for f in order]
         pool = Pool.of(digest([self._key(c).digest() + f" {c}" for c in choices]),
                        self.team.group_size, self.settings.timeout_s, self.stop)
-        for shared in pool.share([len(b) for b in batches],
+        for shared in pool.share([[i] for i in range(len(batches))],
                                  lambda part: self._batches([batches[i] for i in part])):
             if not shared.here:  # another replica measured them
                 self._adopt(_read(shared.posted))
@@ -421,7 +422,7 @@ class GraphMeasurer:
             here.append(team.measure(0, point, self._check_here))
             return _posted({point: here[0]})
 
-        (shared,) = pool.share([1], measure)
+        (shared,) = pool.share([[0]], measure)
         return _read(shared.posted)[point], len(here)
 
     def _check_here(self, choice: Choice, agree: Callable[[int], int] | None) -> Measurement:

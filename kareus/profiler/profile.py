@@ -32,7 +32,7 @@ from kareus.passes.variants import PartitionChoices
 from kareus.profiler.exchange import ProfilingAborted, Team, outcomes_json, read_outcomes
 from kareus.profiler.interrupt import check
 from kareus.profiler.measure import GpuTime, Protocol, measure_batch
-from kareus.profiler.replicas import Pool, digest
+from kareus.profiler.replicas import Pool, deal, digest
 from kareus.profiler.search import (
     ClockSearch,
     Config,
@@ -273,14 +273,28 @@ class _Schedule:
     def _lead(self, progress: Progress | None) -> None:
         """Every search of the schedule, this team's share searched here and the rest
         adopted from the data-parallel replicas holding the same searches
-        (``replicas.Pool``); the outcomes then posted to the team."""
-        settings = self.context.settings
+        (``replicas.Pool``: one slice claimed at first, the slices still unclaimed once
+        the first pass is done); the outcomes then posted to the team."""
         for search in self.searches:
             search.replay()
         pool = Pool.of(digest([s.identity for s in self.searches]), self.team.group_size,
-                       settings.timeout_s, self.context.stop)
-        for shared in pool.share([s.weight for s in self.searches],
-                                 lambda part: self._slice(part, progress)):
+                       self.context.settings.timeout_s, self.context.stop)
+        parts = deal([s.weight for s in self.searches], pool.slots)
+        mine: list[int] = []
+
+        def more() -> list[_Search]:
+            claimed = pool.claim(len(parts), every=bool(mine))
+            mine.extend(claimed)
+            return [self.searches[i] for j in claimed for i in parts[j]
+                    if self.searches[i].result is None]
+
+        try:
+            self._search(more, progress)
+        except BaseException:
+            pool.release(mine)
+            raise
+        done = {j: pool.post(j, parts[j], self._outcomes(parts[j])) for j in mine}
+        for shared in pool.rest(parts, done, lambda part: self._slice(part, progress)):
             if not shared.here:  # another replica searched it
                 for i, outcome in zip(shared.indices, read_outcomes(shared.posted, _decode),
                                       strict=True):
@@ -288,9 +302,24 @@ class _Schedule:
         self.team.finish(self.step, [s.outcome() for s in self.searches])
 
     def _slice(self, part: Sequence[int], progress: Progress | None) -> str:
-        """The searches ``part`` (indices) side by side, a round per clock; their outcomes."""
+        """The searches ``part`` (indices) side by side, here; their outcomes."""
+        pending = [[self.searches[i] for i in part if self.searches[i].result is None]]
+        self._search(lambda: pending.pop() if pending else [], progress)
+        return self._outcomes(part)
+
+    def _outcomes(self, part: Sequence[int]) -> str:
+        return outcomes_json([self.searches[i].outcome() for i in part])
+
+    def _search(self, more: Callable[[], list[_Search]], progress: Progress | None) -> None:
+        """The searches ``more`` gives (at the start of each pass) side by side, a round
+        per clock, each finished as it ends."""
         settings = self.context.settings
-        active = [self.searches[i] for i in part if self.searches[i].result is None]
+        active: list[_Search] = []
+
+        def joining() -> list[_Search]:
+            new = more()
+            active.extend(new)
+            return new
 
         def measure(clock: int, batch: list[tuple[int, Config]]) -> list[Measurement]:
             return self._round(clock, [Tagged(self.searches.index(active[i]), config)
@@ -305,11 +334,9 @@ class _Schedule:
                 progress(search.label, len(search.searcher.points), total,
                          list(search.searcher.points))
 
-        if active:
-            results = lockstep(active, active[0].space.clocks, measure, after)
-            for search, result in zip(active, results, strict=True):
-                search.finished(result)
-        return outcomes_json([self.searches[i].outcome() for i in part])
+        results = lockstep([], self.searches[0].space.clocks, measure, after, joining)
+        for search, result in zip(active, results, strict=True):
+            search.finished(result)
 
     def _round(self, clock: int, batch: list[Tagged]) -> list[Measurement]:
         """One round at ``clock``: what the store holds read back, the rest measured by

@@ -1,26 +1,26 @@
-"""Data-parallel replicas sharing a graph's partition searches through the store.
+"""Data-parallel replicas sharing a graph's profiling through the store.
 
-Every data-parallel replica compiles the same graphs, so each would search the same
-partitions on its own GPUs. A replica pool instead deals a schedule's searches into
-*slices* (:func:`deal`, balanced by each search's most evaluations), and each replica's
-team claims slices one at a time (an atomic count in the store), runs its claims, and posts
-each slice's outcomes once (first writer wins: ``compare_set``). Once no slice is left to
-claim it adopts the others' posts. A job with N replicas so measures about 1/N of the
-searches per team; the ranks of one team (one tensor-parallel group) still measure
-together, since every variant holds their collective.
+Every data-parallel replica compiles the same graphs, so each would measure the same
+variants on its own GPUs. A replica pool instead splits the work into *slices* (a graph's
+partition searches dealt by :func:`deal`, balanced by each search's most evaluations; a
+whole graph's batches one clock each), which the replicas' teams claim through an atomic
+count in the store. Each slice's outcome is posted once (first writer wins:
+``compare_set``) and every replica adopts the posts of the slices it did not claim. A job
+with N replicas so measures about 1/N of the work per team; the ranks of one team (one
+tensor-parallel group) still measure together, since every variant holds their collective.
 
-No collective, and no replica waits on another for long: a slice whose owner failed
-(it marks the slice released) or that is not posted within ``timeout_s`` of the wait's
-start is taken over and searched here, and whichever post comes first stands for every
-replica. A replica that arrives late finds the slices claimed or posted and waits for, or
-adopts, them. A replica is recognised by content, not by rank: the pool's key digests
-every search's profile key and settings (``Pool.digest``), so only replicas holding the
-same searches on the same GPU model meet, and a later compile of the same searches in
-the job adopts what the first posted.
+No collective, and no replica waits on another for long: a slice whose owner failed (it
+marks the slice released) or that is not posted within ``timeout_s`` of the wait's start
+is taken over and measured here, and whichever post comes first stands for every replica.
+A replica that arrives late finds the slices claimed or posted and waits for, or adopts,
+them. A replica is recognised by content, not by rank: the pool's key digests what is
+measured (:func:`digest`), so only replicas measuring the same on the same GPU model meet,
+and a later compile of the same in the job adopts what the first posted.
 
 How many slices: one per team that could hold the graph, the world's size over the team's
-(a rank-invariant upper bound on the replicas: with pipeline stages, the replicas of one
-stage claim several slices each rather than waiting on stages that never come).
+(a rank-invariant upper bound on the replicas). Where fewer replicas come (pipeline stages
+hold different graphs), a replica claims more than one: searches claim the rest once their
+first pass is done (``search.lockstep(more=...)``), so they still share rounds.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _get_default_store
 
+from kareus.errors import KareusError
 from kareus.profiler.interrupt import check
 
 log = logging.getLogger("kareus")
@@ -42,13 +43,14 @@ log = logging.getLogger("kareus")
 _MAX_POLL_S = 0.05
 
 RunSlice = Callable[[Sequence[int]], str]
-"""Searches the given searches (their indices in the schedule) here; their outcomes as the
-text every replica adopts (``exchange.outcomes_json``)."""
+"""Measures a slice (the indices of its searches, or batches) here; its outcome as the text
+every replica adopts (``exchange.outcomes_json``)."""
 
 
 @dataclass(frozen=True)
 class Slice:
-    """Some of the searches, and the outcome that stands for them on every replica."""
+    """Some of the work (searches' or batches' indices), and the outcome that stands for
+    it on every replica."""
 
     indices: tuple[int, ...]
     posted: str
@@ -56,12 +58,16 @@ class Slice:
     """Searched here, and this replica's post stands (else ``posted`` is to be adopted)."""
 
 
+class ReplicaSlicesError(KareusError, ValueError):
+    """Work dealt into fewer than one slice."""
+
+
 def deal(weights: Sequence[float], slices: int) -> list[list[int]]:
     """Indices of ``weights`` dealt into at most ``slices`` non-empty slices of about equal
     weight: the heaviest first, each to the lightest slice so far (longest processing time
     first); each slice's indices ascending, the slices in order of their first index."""
     if slices < 1:
-        raise ValueError(f"need at least one slice, not {slices}")
+        raise ReplicaSlicesError(f"need at least one slice, not {slices}")
     loads = [0.0] * min(slices, len(weights))
     dealt: list[list[int]] = [[] for _ in loads]
     for i in sorted(range(len(weights)), key=lambda i: (-weights[i], i)):
@@ -78,22 +84,21 @@ def digest(parts: Sequence[str]) -> str:
 
 @dataclass
 class Pool:
-    """The replicas of one schedule of searches, meeting under ``key`` in ``store``."""
+    """The replicas of one piece of profiling, meeting under ``key`` in ``store``."""
 
     key: str
     slots: int
-    """Slices to deal the searches into: the teams that could hold them."""
+    """Slices to deal searches into: the teams that could hold them."""
     timeout_s: float
     store: dist.Store | None = None
     stop: threading.Event | None = None
-    ran: tuple[int, ...] = ()
-    """The slices searched here whose post stands (for reports and tests)."""
+    _claimed: int = 0  # alone (no store): the slices claimed so far
 
     @classmethod
     def of(cls, name: str, team_size: int, timeout_s: float,
            stop: threading.Event | None = None) -> Pool:
-        """The pool of the searches named ``name`` (:func:`digest`) for a team of
-        ``team_size`` ranks: alone (one slice) without torch.distributed, under the fake
+        """The pool of the work named ``name`` (:func:`digest`) for a team of ``team_size``
+        ranks: alone (one slot, no store) without torch.distributed, under the fake
         backend, or where the team is the whole world."""
         if not dist.is_initialized() or dist.get_backend() == "fake":
             return cls(name, 1, timeout_s, stop=stop)
@@ -101,17 +106,35 @@ class Pool:
         store = _get_default_store() if slots > 1 else None
         return cls(f"kareus/replicas/{name}", slots, timeout_s, store, stop)
 
-    def share(self, weights: Sequence[float], run: RunSlice) -> list[Slice]:
-        """Search every search (``weights``: their costs, to balance the slices) once across
-        the replicas, the slices claimed here through ``run``; every slice, with the post
-        that stands for it."""
-        parts = [tuple(part) for part in deal(weights, self.slots)] if weights else []
+    def claim(self, parts: int, every: bool = False) -> list[int]:
+        """Slices of ``parts`` claimed for this replica: the next unclaimed one, or
+        ``every`` one left; none where all are claimed."""
+        count = parts if every else 1
         if self.store is None:
-            self.ran = tuple(range(len(parts)))
-            return [Slice(part, run(part), True) for part in parts]
-        done: dict[int, Slice] = {}
-        while (j := int(self.store.add(f"{self.key}/claimed", 1)) - 1) < len(parts):
-            done[j] = self._search(j, parts[j], run)
+            self._claimed += count
+            end = self._claimed
+        else:
+            end = int(self.store.add(f"{self.key}/claimed", count))
+        return list(range(end - count, min(end, parts)))
+
+    def post(self, j: int, indices: Sequence[int], text: str) -> Slice:
+        """Slice ``j``'s outcome measured here, posted; the first post stands."""
+        if self.store is None:
+            return Slice(tuple(indices), text, True)
+        first = _text(self.store.compare_set(f"{self.key}/slice/{j}", "", text))
+        return Slice(tuple(indices), first, first == text)
+
+    def release(self, slices: Sequence[int]) -> None:
+        """``slices`` will not be posted from here (measuring them failed): the others
+        take them over at once."""
+        if self.store is not None:
+            for j in slices:
+                self.store.set(f"{self.key}/slice/{j}/released", "1")
+
+    def rest(self, parts: Sequence[Sequence[int]], done: dict[int, Slice], run: RunSlice
+             ) -> list[Slice]:
+        """Every slice of ``parts``: those ``done`` here, and the others as posted, or
+        measured here through ``run`` where one is released or not posted in time."""
         deadline = time.monotonic() + self.timeout_s
         for j, part in enumerate(parts):
             if j in done:
@@ -119,23 +142,30 @@ class Pool:
             posted = self._wait(j, deadline)
             if posted is None:
                 log.warning("kareus: replica slice %d of %s not posted within %g s; "
-                            "searching it here", j, self.key, self.timeout_s)
-                done[j] = self._search(j, part, run)
+                            "measuring it here", j, self.key, self.timeout_s)
+                done[j] = self.measure(j, part, run)
             else:
-                done[j] = Slice(part, posted, False)
-        self.ran = tuple(j for j in sorted(done) if done[j].here)
+                done[j] = Slice(tuple(part), posted, False)
         return [done[j] for j in range(len(parts))]
 
-    def _search(self, j: int, part: tuple[int, ...], run: RunSlice) -> Slice:
-        """Slice ``j`` searched here and posted; the first post stands."""
-        assert self.store is not None
+    def measure(self, j: int, part: Sequence[int], run: RunSlice) -> Slice:
+        """Slice ``j`` measured here through ``run`` and posted (released where it fails)."""
         try:
             text = run(part)
         except BaseException:
-            self.store.set(f"{self.key}/slice/{j}/released", "1")  # the others take it over
+            self.release([j])
             raise
-        first = _text(self.store.compare_set(f"{self.key}/slice/{j}", "", text))
-        return Slice(part, first, first == text)
+        return self.post(j, part, text)
+
+    def share(self, parts: Sequence[Sequence[int]], run: RunSlice) -> list[Slice]:
+        """Every slice of ``parts`` measured once across the replicas, a slice at a time
+        here (claimed, ``run``, posted) while any is left: a work queue; then the rest
+        (:meth:`rest`). Each slice with the post that stands for it."""
+        done: dict[int, Slice] = {}
+        while claimed := self.claim(len(parts)):
+            (j,) = claimed
+            done[j] = self.measure(j, parts[j], run)
+        return self.rest(parts, done, run)
 
     def _wait(self, j: int, deadline: float) -> str | None:
         """Slice ``j``'s post; None where its owner released it or ``deadline`` passed."""

@@ -253,14 +253,21 @@ schedule, the configuration) together, one measurement each in their order."""
 
 
 def lockstep(searches: Sequence[Searcher], clocks: Sequence[int], measure: MeasureRound,
-             after: Callable[[int], None] = lambda index: None) -> list[SearchResult]:
+             after: Callable[[int], None] = lambda index: None,
+             more: Callable[[], Sequence[Searcher]] = lambda: ()) -> list[SearchResult]:
     """Run ``searches`` side by side through passes of ``sweep(clocks)``: at each clock,
     what every search proposes is measured in one round, until no search proposes anything
     in a whole pass. A search's proposals depend on its own measurements only, so each
     measures what it would alone, while the GPU changes its clock once a round rather than
-    once a point. ``after`` is told each search that took part in a round."""
+    once a point. ``after`` is told each search (its index) that took part in a round;
+    ``more`` gives searches that join at the start of a pass (from its first clock, as
+    alone); the results are in the order the searches joined."""
     order = sweep(clocks)
-    while not all(s.done for s in searches):
+    searches = list(searches)
+    while True:
+        searches += more()
+        if all(s.done for s in searches):
+            break
         proposed = False
         for clock in order:
             batch = [(i, config) for i, s in enumerate(searches) if not s.done
@@ -273,8 +280,10 @@ def lockstep(searches: Sequence[Searcher], clocks: Sequence[int], measure: Measu
                 searches[i].tell([Point.of(config, m) for (j, config), m
                                   in zip(batch, measured, strict=True) if j == i])
                 after(i)
-        if not proposed:
+        if not proposed and not (joined := more()):
             break
+        if not proposed:
+            searches += joined
     return [s.finish() for s in searches]
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch.distributed as dist
 
 from kareus.profiler.interrupt import ProfilingInterrupted
-from kareus.profiler.replicas import Pool, deal, digest
+from kareus.profiler.replicas import Pool, ReplicaSlicesError, deal, digest
 
 
 def test_deal_covers_every_search_once_in_balanced_slices():
@@ -22,7 +22,7 @@ def test_deal_covers_every_search_once_in_balanced_slices():
     assert deal(weights, 1) == [list(range(len(weights)))]
     assert deal([5, 5], 8) == [[0], [1]]  # no empty slice
     assert deal([], 4) == []
-    with pytest.raises(ValueError, match="at least one slice"):
+    with pytest.raises(ReplicaSlicesError, match="at least one slice"):
         deal(weights, 0)
 
 
@@ -50,7 +50,7 @@ class Replica:
         if start is not None:
             start.wait()
         try:
-            for shared in self.pool.share(weights, self.run):
+            for shared in self.pool.share(deal(weights, self.pool.slots), self.run):
                 if not shared.here:
                     self.adopted[shared.indices] = shared.posted
         except BaseException as exc:  # noqa: BLE001 - the test asserts on it
@@ -89,7 +89,6 @@ def test_replicas_search_disjoint_slices_and_end_alike():
     assert all(r.ran for r in replicas)  # both measured: the work was shared
     for part in parts:
         assert replicas[0].outcome(part) == replicas[1].outcome(part)
-    assert sorted(replicas[0].pool.ran + replicas[1].pool.ran) == [0, 1]
 
 
 def test_a_late_replica_adopts_everything_and_measures_nothing():
@@ -136,7 +135,17 @@ def test_a_signal_stops_a_replica_waiting_for_another():
     store.add(f"{first.key}/claimed", 2)  # both slices claimed by replicas that never post
     waiting.stop = stop
     with pytest.raises(ProfilingInterrupted):
-        waiting.share(WEIGHTS, lambda part: "")
+        waiting.share(deal(WEIGHTS, 2), lambda part: "")
+
+
+def test_a_replica_claims_one_slice_then_every_one_left():
+    (pool,) = _pools(1)
+    pool.slots = 4
+    assert pool.claim(4) == [0]
+    assert pool.claim(4, every=True) == [1, 2, 3]
+    assert pool.claim(4) == [] and pool.claim(4, every=True) == []
+    alone = Pool("alone", 1, 1.0)  # no store: counted here
+    assert alone.claim(2) == [0] and alone.claim(2, every=True) == [1] and alone.claim(2) == []
 
 
 def test_one_slot_runs_everything_here_without_a_store():

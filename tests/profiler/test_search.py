@@ -269,6 +269,19 @@ def test_searches_side_by_side_measure_what_each_would_alone_in_shared_rounds():
     for i, a in enumerate(alone):
         assert [r[1].count(i) for r in rounds if i in r[1]] == a.rounds
 
+    # a search that joins at the start of a later pass (a replica claiming another slice)
+    # still measures what it would alone
+    passes = []
+
+    def more() -> list[ClockSearch]:
+        passes.append(len(rounds))
+        return [ClockSearch(spaces[1], budget=20, seed=1)] if len(passes) == 2 else []
+
+    joined = lockstep([ClockSearch(SPACE, budget=20, seed=0)], A100_CLOCKS, measure, more=more)
+    assert passes[1] > passes[0]  # it joined once a pass had measured
+    for a, t in zip(alone, joined, strict=True):
+        assert [p.config for p in t.points] == [p.config for p in a.points]
+
 
 def test_a_grid_search_measures_every_configuration_a_clock_at_a_time():
     small = Space(slots=(0, 2), resources=(6, 24), clocks=(1410, 1200, 900))
