@@ -51,7 +51,9 @@ slower than the baseline, per graph) and at the fastest, and per graph by hyperv
 Every measurement the device takes is logged; the counts and GPU-seconds here are the
 log's, checked against kareus's own (each profile's ``measured`` and ``gpu_s``,
 ``GpuTime.by_graph``: tests/test_profiling_cost.py). Per rank is per node: under TP the
-node's ranks measure every variant together. Not counted: compiling each variant
+node's ranks measure every variant together, except a graph without collectives, which
+each rank runs alone and the node's ranks split as replicas do (``replicas.Pool``: its
+batches and its check claimed one at a time). Not counted: compiling each variant
 (Inductor, on a real GPU), the search's proposals on the host (the seconds this script
 spends tracing are an upper bound for them), repeats past 3 where a real GPU's readings
 spread by more than 5%.
@@ -180,6 +182,11 @@ class GraphCount:
     partitions: list[dict[str, Any]] = field(default_factory=list)
     whole: dict[str, Any] = field(default_factory=dict)
 
+    shared_by: int = 1
+    """The node's ranks that split its whole-graph measuring: a graph without collectives
+    runs on each tensor-parallel rank alone, and those ranks (its replicas on the node)
+    claim its batches and its check one at a time (``replicas.Pool``)."""
+
     rounds: list[tuple[int, int, float, int]] = field(default_factory=list)
     """The partition searches' measurements (batch, clock, run time, the search's index in
     ``partitions``) in the order taken."""
@@ -243,8 +250,10 @@ class GraphCount:
             "whole_graph_measurements": len(self.whole.get("run_s", [])),
             "partition_gpu_s": partition_s, "whole_graph_gpu_s": whole_s,
             "gpu_s": partition_s + whole_s,
+            "node_s": partition_s + (whole_s if self.shared_by == 1 else
+                                     self.replica_whole_s(protocol, self.shared_by)),
             "replicas_gpu_s": (self.replica_partition_s(protocol, REPLICAS)
-                               + self.replica_whole_s(protocol, REPLICAS)),
+                               + self.replica_whole_s(protocol, REPLICAS * self.shared_by)),
             "partition_rounds": len({b for b, _, _, _ in self.rounds}),
             "partition_batches": [list(entry) for entry in self.rounds],
             "whole_graph_clock_switches": _switches([f for _, f, _ in whole]),
@@ -296,6 +305,8 @@ def count(
         graphs = _partition_counts(reports, gpu.log, search_budget)
         for first in deferred:
             _whole_graph(first, gpu, graphs[first.analysis.label])
+            if not first.analysis.collectives:
+                graphs[first.analysis.label].shared_by = workload.tp
         planned = _true_frontiers(deferred, gpu)
     protocol = backend.protocol
     rows = [g.to_json(protocol) for g in graphs.values()]
@@ -322,6 +333,7 @@ def _totals(rows: list[dict[str, Any]], measurements: int, protocol: Protocol,
             tp: int) -> dict[str, float]:
     """Per rank (the node's ranks measure together: its wall time) and per node."""
     per_rank = sum(r["gpu_s"] for r in rows)
+    node_s = sum(r["node_s"] for r in rows)
     sampled = sum(r["sampled_counter_gpu_s"] for r in rows)
     floor_s = protocol.seconds_per_batch([0.0])
     return {
@@ -330,8 +342,11 @@ def _totals(rows: list[dict[str, Any]], measurements: int, protocol: Protocol,
         "measurements": measurements,
         "checks": sum(len(r["whole_graph"].get("check_run_s", [])) for r in rows),
         "gpu_s_per_rank": per_rank,
-        "node_wall_minutes": per_rank / 60,
-        "gpu_minutes_per_node": per_rank * tp / 60,
+        # the node's time: its ranks measure together, a graph without collectives split
+        # among them (``GraphCount.shared_by``)
+        "node_s": node_s,
+        "node_wall_minutes": node_s / 60,
+        "gpu_minutes_per_node": node_s * tp / 60,
         "target_gpu_minutes_per_node": TARGET_GPU_MINUTES_PER_NODE,
         # Replicas share each graph's partition searches and whole-graph clocks, a slice
         # each (``GraphCount.replica_partition_s``, ``replica_whole_s``).
@@ -597,8 +612,10 @@ def table(result: dict[str, Any]) -> Table:
     failed = [f"{g['role']}: {g['whole_graph']['error']}" for g in result["graphs"]
               if "error" in g["whole_graph"]]
     out.caption = "\n".join([
-        (f"{t['gpu_s_per_rank']:.0f} GPU-s per rank = {t['node_wall_minutes']:.1f} min of node "
-         f"time; {t['gpu_minutes_per_node']:.1f} GPU-minutes per node of {result['tp']} GPUs "
+        (f"{t['gpu_s_per_rank']:.0f} GPU-s per rank; {t['node_s']:.0f} s = "
+         f"{t['node_wall_minutes']:.1f} min of node time (a graph without collectives split "
+         f"among its ranks); {t['gpu_minutes_per_node']:.1f} GPU-minutes per node of "
+         f"{result['tp']} GPUs "
          f"(target <= {t['target_gpu_minutes_per_node']:g})."),
         ("Partitions searched at every third search clock. Whole-graph variants: "
          f"unrewritten + each k's default (at {len(result['whole_graph_clocks'])} of "
