@@ -159,7 +159,7 @@ class Team:
         mine = measure_here(config, self.agreement(step))
         others = [self._step(step) + f"/rank/{r}" for r in self.ranks[1:]]
         self._wait(others, f"the measurements of step {step} by ranks {list(self.ranks[1:])}")
-        theirs = [_measurement(_text(self._store.get(key))) for key in others]
+        theirs = [_measurement(store_text(self._store.get(key))) for key in others]
         return group_measurement([mine, *theirs], self.group_size)
 
     def measure_batch(
@@ -174,7 +174,7 @@ class Team:
         mine = measure_here(list(configs), self.agreement(step))
         others = [self._step(step) + f"/rank/{r}" for r in self.ranks[1:]]
         self._wait(others, f"the measurements of step {step} by ranks {list(self.ranks[1:])}")
-        theirs = [[_measurement(m) for m in json.loads(_text(self._store.get(key)))]
+        theirs = [[_measurement(m) for m in json.loads(store_text(self._store.get(key)))]
                   for key in others]
         return [group_measurement([m, *(t[i] for t in theirs)], self.group_size)
                 for i, m in enumerate(mine)]
@@ -205,7 +205,7 @@ class Team:
                 if not isinstance(exc, ProfilingAborted):
                     self.abort(f"rank {self.rank} stopped: {type(exc).__name__}: {exc}")
                 raise
-            kind, _, payload = _text(self._store.get(self._step(step))).partition(" ")
+            kind, _, payload = store_text(self._store.get(self._step(step))).partition(" ")
             if kind == "done":
                 return read_outcomes(payload, self.decode)
             if kind not in ("measure", "batch") or (kind == "batch" and not measure_batch_here):
@@ -237,7 +237,7 @@ class Team:
             self._store.set(f"{key}/rank/{self.rank}", str(int(count)))
             keys = [f"{key}/rank/{r}" for r in self.ranks]
             self._wait(keys, f"the ranks' counts at {key}")
-            return max(int(_text(self._store.get(k))) for k in keys)
+            return max(int(store_text(self._store.get(k))) for k in keys)
 
         return agree
 
@@ -269,11 +269,11 @@ class Team:
         while not store.check(list(keys)):
             check(self.stop)
             if store.check([self._abort]):
-                raise ProfilingAborted(f"{self._keys}: {_text(store.get(self._abort))}")
+                raise ProfilingAborted(f"{self._keys}: {store_text(store.get(self._abort))}")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 reason = f"rank {self.rank} waited {self.timeout_s:g} s for {what}"
-                agreed = _text(store.compare_set(self._abort, "", reason))
+                agreed = store_text(store.compare_set(self._abort, "", reason))
                 raise ProfilingAborted(f"{self._keys}: {agreed}")
             time.sleep(min(pause, remaining))
             pause = min(2 * pause, _MAX_POLL_S)
@@ -317,5 +317,6 @@ def read_outcomes(text: str, decode: Callable[[dict[str, Any]], Hashable]) -> li
     return [one(data) for data in json.loads(text)]
 
 
-def _text(value: bytes | str) -> str:
+def store_text(value: bytes | str) -> str:
+    """A store value as text (the store returns bytes)."""
     return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else value

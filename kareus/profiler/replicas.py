@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _get_default_store
 
 from kareus.errors import KareusError
+from kareus.profiler.exchange import store_text
 from kareus.profiler.interrupt import check
 
 log = logging.getLogger("kareus")
@@ -121,7 +122,7 @@ class Pool:
         """Slice ``j``'s outcome measured here, posted; the first post stands."""
         if self.store is None:
             return Slice(tuple(indices), text, True)
-        first = _text(self.store.compare_set(f"{self.key}/slice/{j}", "", text))
+        first = store_text(self.store.compare_set(f"{self.key}/slice/{j}", "", text))
         return Slice(tuple(indices), first, first == text)
 
     def release(self, slices: Sequence[int]) -> None:
@@ -179,8 +180,5 @@ class Pool:
                 return None
             time.sleep(min(pause, remaining))
             pause = min(2 * pause, _MAX_POLL_S)
-        return _text(self.store.get(posted))
+        return store_text(self.store.get(posted))
 
-
-def _text(value: bytes | str) -> str:
-    return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else value
