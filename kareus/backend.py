@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.fx
 from torch._inductor.compile_fx import compile_fx
 
+from kareus import interrupts
 from kareus.codegen.lowering import lower, pinned_schedule_config
 from kareus.codegen.partitioner import partitioner_config
 from kareus.devices.base import Device
@@ -249,6 +250,7 @@ class KareusBackend:
         kwargs: Mapping[str, Any],
     ) -> Callable[..., Any]:
         """One AOT graph through the stages, recorded in its report, lowered."""
+        interrupts.check()  # a pending Ctrl-C of ``kareus plan``: each graph is a safe point
         kind = ("backward" if kwargs.get("is_backward")
                 else "inference" if kwargs.get("is_inference") else "forward")
         options, device, world = self.options, self.device, _world_size()
@@ -309,6 +311,7 @@ class KareusBackend:
                                     estimate_note, analysis.exchanged and EXCHANGED) if n),
             profile_gpu_s=self.spend.by_graph.get(analysis.label, 0.0),
         ))
+        interrupts.check()
         lowered = lower(compiled, inputs, options.lowering, **kwargs)
         # An exchanged graph's check would be agreed on, as its decision is not.
         verify = options.verify and not analysis.exchanged

@@ -23,7 +23,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return command(args)
     except KeyboardInterrupt:  # one line, not a traceback: every output is written whole
+        from kareus import interrupts
+
         print(f"kareus {args.command}: interrupted", file=sys.stderr)
+        if args.command in ("plan", "bench"):
+            interrupts.end_process(130)
         return 130
 
 
@@ -263,13 +267,15 @@ def _budget(args: argparse.Namespace, default: float | None = 1.1) -> dict[str, 
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from kareus import interrupts
     from kareus.errors import KareusError
     from kareus.offline.cli import plan_command
     from kareus.profiler.progress import make_console
 
     console = make_console()
     try:
-        plan_command(args, _budget(args, default=None), console)
+        with interrupts.at_safe_points():
+            plan_command(args, _budget(args, default=None), console)
     except KareusError as exc:
         return _refused(console, "plan", exc)
     return 0
@@ -285,14 +291,16 @@ def _refused(console: Console, command: str, exc: Exception) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    from kareus import interrupts
     from kareus.errors import KareusError
     from kareus.offline.suite import MATRIX, QUICK, run_suite
     from kareus.profiler.progress import make_console
 
     console = make_console()
     try:
-        run_suite(QUICK if args.quick else MATRIX, Path(args.out), console,
-                  cache_dir=args.cache_dir)
+        with interrupts.at_safe_points():
+            run_suite(QUICK if args.quick else MATRIX, Path(args.out), console,
+                      cache_dir=args.cache_dir)
     except KareusError as exc:
         return _refused(console, "bench", exc)
     return 0

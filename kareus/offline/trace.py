@@ -52,6 +52,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
+from kareus import interrupts
 from kareus.backend import KareusBackend
 from kareus.errors import KareusError
 from kareus.models.llama import Llama, fake_parallel_llama
@@ -278,6 +279,7 @@ def run_microbatch(
                     h = torch.compile(stage, backend=backend)(h, tokens, model.rope_cos,
                                                               model.rope_sin)
                     compiled("stage", s)
+                    interrupts.check()
                 h.backward()
             return
         embed = torch.compile(model.tok_embeddings, backend=backend)
@@ -287,11 +289,14 @@ def run_microbatch(
         h = embed(tokens)
         compiled("embed", 0)
         for i, block in enumerate(blocks, start=1):
+            interrupts.check()
             h = block(h, model.rope_cos, model.rope_sin)
             compiled("block", i)
         with parallel:
+            interrupts.check()
             loss = tail(h, tokens)
             compiled("tail", 0)
+            interrupts.check()
             loss.backward()
 
 

@@ -79,6 +79,7 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import csr_array
 
+from kareus import interrupts
 from kareus.errors import KareusError
 from kareus.planner.budget import Budget, BudgetError, asked, limit_of
 from kareus.planner.compose import FrontierPoint, Switch, clock_of, fronts_by
@@ -512,8 +513,9 @@ def stoppable(solve: Callable[[], _T], poll_s: float = 0.1) -> _T:
     """``solve()`` on a thread this one waits for in short joins. HiGHS releases the GIL
     but does not return to Python until it ends (up to ``max_solve_s``, or an hour
     unbounded), so a Ctrl-C on the thread that called it would wait for the whole solve;
-    here the wait ends at once with the ``KeyboardInterrupt``, and the abandoned solve,
-    on a daemon thread, ends with the process."""
+    here the wait ends at its next poll with the ``KeyboardInterrupt`` (a pending one:
+    ``interrupts.check``), and the abandoned solve, on a daemon thread, ends with the
+    process (``interrupts.end_process``)."""
     return side_by_side([solve], poll_s)[0]
 
 
@@ -537,6 +539,7 @@ def side_by_side(solves: Sequence[Callable[[], _T]], poll_s: float = 0.1) -> lis
     for worker in workers:
         while worker.is_alive() and not failed:
             worker.join(poll_s)
+            interrupts.check()
     if failed:
         raise failed[0]
     return [found[n] for n in range(len(solves))]
