@@ -216,7 +216,7 @@ def square_waves(
         else:
             row.update(swing=b.swing, integrates=b.integrates,
                        update_period_ms=1000.0 * b.update_period_s, probe_s=b.probe_s,
-                       update_noise_mj=b.update_noise_mj)
+                       update_noise_mj=b.update_noise_mj, lag_s=b.lag_s)
         rows.append(row)
     return rows
 
@@ -260,15 +260,17 @@ def _time_one(rig: Rig, run: Callable[[], object]) -> float:
     return (end - start) / 5
 
 
-def multiplexed(rig: Rig, period_s: float, seed: int, noise_mj: float | None) -> dict[str, Any]:
+def multiplexed(rig: Rig, period_s: float, seed: int, noise_mj: float | None,
+                lag_s: float | None) -> dict[str, Any]:
     """``NvmlEnergyMeter.measure_many`` of every variant together (the first: control), on
-    the counter's noise per update as the probe measured it (as the default protocol)."""
+    the counter's noise per update and lag as the probe measured them (as the default
+    protocol)."""
     meter = NvmlEnergyMeter(rig.nvml, rig.handle, gpu=rig.gpu, cuda=rig.cuda, timer=rig.timer)
     names = list(rig.variants)
     rig.idle(SETTLE_S)
     began = rig.timer()
     result = meter.measure_many([rig.variants[n] for n in names], seed=seed, period_s=period_s,
-                                noise_mj=noise_mj)
+                                noise_mj=noise_mj, lag_s=lag_s)
     took = rig.timer() - began
     return {
         "seconds": took, "rounds": result.rounds, "lag_s": result.lag_s,
@@ -575,8 +577,8 @@ def characterise(rig: Rig, settings: Settings, *, warmup: bool) -> dict[str, Any
         "label": rig.label, "counter": rig.counter,
         "intervals": table, "polls": {s: p["polls"] for s, p in polled.items()},
         "update_period_ms": period_ms,
-        "update_noise_mj": next((w["update_noise_mj"] for w in waves
-                                 if w.get("update_noise_mj") is not None), None),
+        **{field: next((w[field] for w in waves if w.get(field) is not None), None)
+           for field in ("update_noise_mj", "lag_s")},
         "square_wave": {"waves": waves, **swing_summary(waves)},
     }
     if warmup:
@@ -587,7 +589,8 @@ def characterise(rig: Rig, settings: Settings, *, warmup: bool) -> dict[str, Any
 
 
 def estimate(
-    rig: Rig, settings: Settings, period_s: float, noise_mj: float | None
+    rig: Rig, settings: Settings, period_s: float, noise_mj: float | None,
+    lag_s: float | None,
 ) -> dict[str, Any]:
     """Sections 4-5 on one rig: references, multiplexed estimates, today's protocol."""
     lead_s = max(0.3, 3 * period_s)
@@ -596,7 +599,7 @@ def estimate(
                 for n, run in rig.variants.items()}
     references = {n: reference_power(a, period_s) for n, a in acquired.items()}
     references_s = rig.timer() - began
-    mux = multiplexed(rig, period_s, settings.seed, noise_mj)
+    mux = multiplexed(rig, period_s, settings.seed, noise_mj, lag_s)
     today = {n: protocol_estimate(protocol(rig, run, settings.protocol_repeats,
                                            settings.protocol_window_s))
              for n, run in rig.variants.items()}
@@ -619,7 +622,8 @@ def check_gpu(settings: Settings) -> dict[str, Any]:
         rig = gpu_rig(nvml)
         counters = [characterise(rig, settings, warmup=True)]
         period_s = counters[0]["update_period_ms"] / 1000.0
-        estimates = estimate(rig, settings, period_s, counters[0]["update_noise_mj"])
+        estimates = estimate(rig, settings, period_s, counters[0]["update_noise_mj"],
+                             counters[0]["lag_s"])
     return {"fake": False, "note": None, "device": rig.label, "gpu": rig.gpu,
             "driver": rig.driver, "counters": counters, **estimates,
             "setters_refused": [*nvml.refused, *refused]}
@@ -633,7 +637,7 @@ def check_fake(settings: Settings) -> dict[str, Any]:
         refused += rig.nvml.refused
     live = fake_rig("continuous", clock=time.monotonic, seed=settings.seed)
     estimates = estimate(live, settings, counters[0]["update_period_ms"] / 1000.0,
-                         counters[0]["update_noise_mj"])
+                         counters[0]["update_noise_mj"], counters[0]["lag_s"])
     return {"fake": True, "note": FAKE_NOTE, "device": f"fake NVML ({FAKE_NOTE})",
             "gpu": live.gpu, "driver": live.driver, "counters": counters,
             "estimates_on": live.label, **estimates,

@@ -14,9 +14,10 @@ blocks of a model, are measured once):
   at about four clocks and a held-back one (``graph_cost.measured_clocks``, ``grid``).
 
 Each batch costs what the default protocol takes on a GPU whose energy counter integrates
-and whose noise the probe measured (``Protocol().seconds_per_batch``: the NVML device's
-0.1 s settle where the clock changes, then a warm-up run per variant, blocks spanning the
-counter updates the batch's errors need, and the waits for the counter's report;
+and whose noise and lag the probe measured (``Protocol().seconds_per_batch``: the NVML
+device's 0.1 s settle where the clock changes, then a warm-up run per variant, blocks
+spanning the counter updates the batch's errors need, and the waits for the counter's
+report, counted as if the lag were a whole update: an upper bound;
 energies recovered by least squares over the counter's readings:
 ``devices.nvml.multiplex``), exactly what ``measure_batch`` charges ``GpuTime`` for a
 simulated, deterministic device, with the simulated GPU's time of each variant as

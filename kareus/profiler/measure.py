@@ -183,22 +183,25 @@ class Protocol:
     def seconds_per_batch(
         run_s: Sequence[float], *, switched: bool = True, settle_s: float = DEFAULT_SETTLE_S,
         period_s: float = COUNTER_PERIOD_S, policy: MultiplexPolicy = DEFAULT_POLICY,
-        noise_known: bool = True,
+        noise_known: bool = True, lag_known: bool = True,
     ) -> float:
         """GPU time the multiplexed protocol takes for variants taking ``run_s`` per run at
         one clock, on a counter updating every ``period_s``: the settle where the clock
         ``switched``, then per variant a warm-up run and the first round's blocks
         (``multiplex.first_round``: enough of the counter's updates to state an error,
         however few the variants; fewer where the probe measured the counter's noise,
-        ``noise_known``, as it does on an integrating counter), and the round's waits for
+        ``noise_known``, and its lag, ``lag_known``, as it does on an integrating counter),
+        and the round's waits for
         the counter: for a tick before the first block where no settle of an update or
         more held one (``multiplex.WAIT_BEFORE_UPDATES``; the NVML device settles while it
         watches the counter), and for the report after the last
-        (``WAIT_AFTER_UPDATES``). Rounds added for points above the policy's
-        ``max_error`` are not counted: how many a GPU needs is what it measures."""
+        (``WAIT_AFTER_UPDATES``: an upper bound where the lag is known). Rounds added for
+        points above the policy's ``max_error`` are not counted: how many a GPU needs is
+        what it measures."""
         if not run_s:
             return settle_s * switched
-        blocks, block_s = first_round(len(run_s), period_s, policy, noise_known=noise_known)
+        blocks, block_s = first_round(len(run_s), period_s, policy, noise_known=noise_known,
+                                      lag_known=lag_known)
         settled = switched and settle_s >= period_s
         waits = (0.0 if settled else WAIT_BEFORE_UPDATES) + WAIT_AFTER_UPDATES
         return (settle_s * switched + waits * period_s

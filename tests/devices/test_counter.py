@@ -187,6 +187,8 @@ def test_the_probe_finds_a_lagging_noisy_integrating_counter_and_sets_nothing() 
     behaviour = probe(fake, gpu, timeline)
     assert behaviour.update_period_s == pytest.approx(0.05, rel=0.1)
     assert behaviour.integrates
+    # the lag, fitted over the square waves' edges: polls a loaded host makes late shift it
+    assert behaviour.lag_s == pytest.approx(0.02, abs=0.01)
     assert behaviour.gpu == "NVIDIA A100-SXM4-40GB" and behaviour.driver == "550.54.15"
     # 100 mJ an update, known to ~20% from 12 updates, and on this real clock the fake
     # power's own jitter (how much of each update the host let the spin run) on top: only
@@ -228,6 +230,10 @@ def test_the_probe_on_a_fake_clock(
     assert behaviour.integrates is integrates
     noise_mj = counter.get("counter_noise_mj", 0.0)  # the only scatter on a fake clock
     assert behaviour.update_noise_mj == pytest.approx(noise_mj, rel=0.35, abs=1e-6)
+    if integrates:  # the lag to a poll; none told where multiplexing is not used
+        assert behaviour.lag_s == pytest.approx(counter.get("counter_lag_s", 0.0), abs=0.002)
+    else:
+        assert behaviour.lag_s is None
     assert behaviour.probe_s <= 9.0
     assert fake.setter_calls() == []
 
@@ -263,6 +269,7 @@ BEHAVIOUR = CounterBehaviour(
     swing=0.91,
     probe_s=7.9,
     update_noise_mj=40.0,
+    lag_s=0.03,
 )
 
 
@@ -270,8 +277,10 @@ def test_the_record_round_trips_through_json() -> None:
     assert CounterBehaviour.from_json(BEHAVIOUR.to_json()) == BEHAVIOUR
     whole = json.loads(BEHAVIOUR.to_json()) | {"update_period_s": 1}
     assert CounterBehaviour.from_json(json.dumps(whole)).update_period_s == 1.0
-    older = {k: v for k, v in json.loads(BEHAVIOUR.to_json()).items() if k != "update_noise_mj"}
-    assert CounterBehaviour.from_json(json.dumps(older)).update_noise_mj is None  # kept before
+    older = {k: v for k, v in json.loads(BEHAVIOUR.to_json()).items()
+             if k not in ("update_noise_mj", "lag_s")}
+    kept_before = CounterBehaviour.from_json(json.dumps(older))  # kept before they were probed
+    assert kept_before.update_noise_mj is None and kept_before.lag_s is None
 
 
 @pytest.mark.parametrize(
@@ -285,6 +294,7 @@ def test_the_record_round_trips_through_json() -> None:
         json.dumps(json.loads(BEHAVIOUR.to_json()) | {"swing": True}),
         json.dumps(json.loads(BEHAVIOUR.to_json()) | {"gpu": 3}),
         json.dumps(json.loads(BEHAVIOUR.to_json()) | {"update_noise_mj": "40"}),
+        json.dumps(json.loads(BEHAVIOUR.to_json()) | {"lag_s": False}),
     ],
 )
 def test_a_malformed_record_raises_a_typed_error(text: str) -> None:

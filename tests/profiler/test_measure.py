@@ -119,10 +119,11 @@ def test_the_protocols_gpu_time_per_evaluation():
     assert Protocol(cooldown_s=5).seconds_per_evaluation(0.01) == pytest.approx(10.1 + 3 * 0.56)
     # multiplexed: the settle where the clock changed, then a warm-up run and as many
     # 0.15 s blocks (a run, where longer) as the counter's updates need to state errors
-    # (fewer where the probe measured the counter's noise, as on an integrating counter)
-    (two, two_s), (one, one_s) = (first_round(n, 0.1, DEFAULT_POLICY, noise_known=True)
-                                  for n in (2, 1))
-    assert two < one  # a batch shares the readings its error needs
+    # (fewer where the probe measured the counter's noise and lag, as on an integrating
+    # counter)
+    (two, two_s), (one, one_s) = (
+        first_round(n, 0.1, DEFAULT_POLICY, noise_known=True, lag_known=True) for n in (2, 1))
+    assert two * two_s < one * one_s  # a batch shares the readings its error needs
     # (and the waits for the counter: 1.5 updates of 100 ms for its report on average,
     # and half an update for a tick before the first block where no settle held one)
     assert Protocol().seconds_per_batch([0.01, 0.3]) == pytest.approx(
@@ -131,10 +132,18 @@ def test_the_protocols_gpu_time_per_evaluation():
         0.01 + one * one_s + 0.2)
     assert Protocol().seconds_per_batch([0.01], settle_s=0.05) == pytest.approx(
         0.05 + 0.01 + one * one_s + 0.2)  # a settle shorter than an update may hold none
-    unknown, unknown_s = first_round(1, 0.1, DEFAULT_POLICY)
+    unknown, unknown_s = first_round(1, 0.1, DEFAULT_POLICY, lag_known=True)
     assert unknown * unknown_s > one * one_s
     assert Protocol().seconds_per_batch([0.01], switched=False, noise_known=False) == (
         pytest.approx(0.01 + unknown * unknown_s + 0.2))
+    # the lag fitted: an update more, where the updates rather than the blocks' least
+    # length set the round (six variants here)
+    (known, known_s), (fitted, fitted_s) = (
+        first_round(6, 0.1, DEFAULT_POLICY, noise_known=True, lag_known=lag)
+        for lag in (True, False))
+    assert 6 * fitted * fitted_s == pytest.approx(6 * known * known_s + 0.1)
+    assert Protocol().seconds_per_batch([0.01] * 6, lag_known=False) == pytest.approx(
+        Protocol().seconds_per_batch([0.01] * 6) + 0.1)
 
 
 def test_a_batch_is_measured_together_where_the_device_states_its_errors(monkeypatch):

@@ -42,6 +42,7 @@ from kareus.devices.errors import (
     CounterProbeError,
     CounterProbeStalledError,
 )
+from kareus.devices.nvml.multiplex import Block, Tick, solve
 
 logger = logging.getLogger("kareus")
 
@@ -101,6 +102,12 @@ class CounterBehaviour:
     noise and the power's own jitter): the scatter a multiplexed fit's residuals show,
     known before the fit, so that a batch of few readings still states its error
     (``multiplex.POOLED_FREEDOM``). None: not probed (a record from before it was)."""
+    lag_s: float | None = None
+    """How late the counter reports energy: a change seen at t counts the energy up to
+    t - lag. Fitted over the probe's square waves (``multiplex.solve``: their edges pin
+    it), so that a multiplexed fit need not fit it again, one unknown fewer, and a batch
+    waits for its report only as long as the lag (``multiplex.multiplex(lag_s=...)``).
+    None: not probed (a record from before it was, or a counter that does not integrate)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -115,7 +122,8 @@ class CounterBehaviour:
         if not isinstance(data, dict):
             raise CounterBehaviourFormatError(f"a {type(data).__name__}, not an object")
         expected = {f.name: f.type for f in fields(cls)}
-        data.setdefault("update_noise_mj", None)  # records from before it was probed
+        for later in ("update_noise_mj", "lag_s"):  # records from before they were probed
+            data.setdefault(later, None)
         if set(data) != set(expected):
             raise CounterBehaviourFormatError(
                 f"fields {sorted(data)}, expected {sorted(expected)}"
@@ -200,6 +208,10 @@ class _Poller:
         """When the counter's value last changed (or the first read)."""
         self.busy_s = 0.0
         """How long the ``busy`` calls took, in all."""
+        self.slices: list[tuple[float, float]] | None = None
+        """Where a list: each ``busy`` call's start and end from now on."""
+        self.changes: list[tuple[float, int]] = []
+        """Each change of the counter seen: when, and its new value."""
 
     def next_change(self, activity: Activity) -> tuple[float, int]:
         """Run ``activity`` until the counter's value changes: (when, value)."""
@@ -212,12 +224,16 @@ class _Poller:
             step = max(min(self.poll_s, left), 1e-6)
             if busy:
                 self.busy(step)
-                self.busy_s += self.timer() - now
+                ended = self.timer()
+                self.busy_s += ended - now
+                if self.slices is not None:
+                    self.slices.append((now, ended))
             else:
                 self.idle(step)
             value = self.read_mj()
             if value != self.value:
                 self.value, self.changed_at = value, self.timer()
+                self.changes.append((self.changed_at, value))
                 return self.changed_at, value
 
     def window(self, activity: Activity, span_s: float, period_s: float) -> _Window:
@@ -271,6 +287,7 @@ def probe_counter(
     began = timer()
     poller = _Poller(read_mj, busy, idle, timer, gpu=gpu, poll_s=poll_s, stall_s=stall_s)
     period_s, noise_mj = _update_period(poller)
+    poller.slices, recorded = [], len(poller.changes)
     level_s = max(LEVEL_UPDATES * period_s, MIN_WINDOW_S)
     loaded, unloaded = (poller.window(_steady(b), level_s, period_s) for b in (True, False))
     levels = _Levels(
@@ -288,22 +305,26 @@ def probe_counter(
         _swing(poller, levels, max(m * period_s, MIN_WAVE_S), period_s, window_updates, phases, rng)
         for m in periods
     )
+    integrates = swing < SWING_LIMIT
+    lag_s = _lag(poller.changes[recorded:], poller.slices, period_s) if integrates else None
     behaviour = CounterBehaviour(
         gpu=gpu,
         driver=driver,
         update_period_s=period_s,
-        integrates=swing < SWING_LIMIT,
+        integrates=integrates,
         swing=swing,
         probe_s=timer() - began,
         update_noise_mj=noise_mj,
+        lag_s=lag_s,
     )
     logger.info(
-        "%s (driver %s): energy counter updates every %.1f ms (noise %s mJ an update) and "
-        "%s (swing %.3f of the busy-idle power %.0f W; probed in %.1f s)",
+        "%s (driver %s): energy counter updates every %.1f ms (noise %s mJ an update, lag "
+        "%s) and %s (swing %.3f of the busy-idle power %.0f W; probed in %.1f s)",
         gpu,
         driver,
         1e3 * period_s,
         "unknown" if noise_mj is None else f"{noise_mj:.1f}",
+        "unknown" if lag_s is None else f"{1e3 * lag_s:.1f} ms",
         "integrates the power" if behaviour.integrates else "samples the power part of the time",
         swing,
         levels.per_duty_w,
@@ -359,3 +380,13 @@ def _swing(
         excess.append(levels.excess(poller.window(_square(wave_s, origin), span_s, period_s)))
     logger.debug("energy counter probe: %.0f ms waves read excesses %s", 1e3 * wave_s, excess)
     return max(excess) - min(excess)
+
+
+def _lag(changes: Sequence[tuple[float, int]], slices: Sequence[tuple[float, float]],
+         period_s: float) -> float:
+    """The counter's lag: the one at which the energies between its ``changes`` are best
+    explained by a busy power over the ``busy`` ``slices`` and an idle one between them
+    (``multiplex.solve``, as a batch of one variant; the square waves' many edges pin it)."""
+    ticks = [Tick(at, mj) for at, mj in changes]
+    blocks = [Block(0, start, end, 1, end - start) for start, end in slices]
+    return solve(ticks, blocks, 1, period_s=period_s).lag_s

@@ -233,14 +233,15 @@ class NvmlEnergyMeter:
         *,
         period_s: float | None = None,
         noise_mj: float | None = None,
+        lag_s: float | None = None,
         lead_in: Callable[[], object] | None = None,
     ) -> Multiplexed:
         """Each of ``runs`` measured together, interleaved in blocks, its energy recovered
         from the counter's updates (``nvml.multiplex``; the first run is the control). Only
         for a counter that integrates power continuously, updating every ``period_s`` (None:
-        told from its updates), with ``noise_mj`` per update where known; ``seed`` and
-        ``agree`` must be every rank's; ``lead_in`` runs while the counter is watched,
-        before the first block (``multiplex``)."""
+        told from its updates), with ``noise_mj`` per update and its lag ``lag_s`` where
+        known (probed); ``seed`` and ``agree`` must be every rank's; ``lead_in`` runs while
+        the counter is watched, before the first block (``multiplex``)."""
         if not self._use_counter:
             raise UnsupportedMeasurementError(
                 self.gpu, "multiplexed energy", "it has no NVML energy counter to read"
@@ -255,6 +256,7 @@ class NvmlEnergyMeter:
             cuda=self._cuda,
             period_s=period_s,
             noise_mj=noise_mj,
+            lag_s=lag_s,
             lead_in=lead_in,
         )
 

@@ -348,6 +348,7 @@ class NvmlGPU(Device, Closing):
             batch_seed([workload.name for workload in workloads]),
             period_s=behaviour.update_period_s,
             noise_mj=behaviour.update_noise_mj,
+            lag_s=behaviour.lag_s,
             lead_in=functools.partial(self._sleep, self._settle_s) if switching else None,
         )
         return [

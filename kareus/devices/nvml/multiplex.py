@@ -13,7 +13,8 @@ time (block ends and ticks are read on the same timer), so with the powers as un
 (``gap``: time in no block: the lead-in, the tail, the host between blocks) is a linear
 system over all intervals, solved by non-negative least squares. A counter reports energy
 a little late, so the system is solved at each lag of a small grid (0 to one update
-period) and the lag with the least residual is kept. Each power carries its relative
+period) and the lag with the least residual is kept, unless the counter's probe told the
+lag (``counter.CounterBehaviour.lag_s``). Each power carries its relative
 standard error from the residuals (covariance ``s^2 (A^T A)^-1``); a variant whose error is
 above ``max_error`` gets more blocks in another round, and the whole batch is solved
 again over every reading. This holds only where the counter integrates power
@@ -129,7 +130,9 @@ or more holds a tick)."""
 
 WAIT_AFTER_UPDATES = 1.5
 """Counter updates a round waits after its last block, on average: until a tick a whole
-update after it shows that the counter has reported the round (``_reported``)."""
+update after it shows that the counter has reported the round (``_reported``). Where the
+probe told the lag, a tick the lag after it does, so this is an upper bound: the lag is
+one of the grid's, at most an update."""
 
 POOLED_FREEDOM = 2
 """Fewest intervals beyond the unknowns for an error to be stated where the counter's noise
@@ -347,11 +350,12 @@ def update_period_s(ticks: Sequence[Tick]) -> float | None:
 
 def fit_at(
     ticks: Sequence[Tick], blocks: Sequence[Block], variants: int, lag_s: float,
-    noise_mj: float | None = None,
+    noise_mj: float | None = None, *, lag_fitted: bool = True,
 ) -> Fit:
     """The non-negative least-squares powers of ``variants`` variants (and of the gaps)
     explaining the energy between consecutive ``ticks`` read ``lag_s`` late; ``noise_mj``:
-    the counter's noise per update where known (see ``POOLED_FREEDOM``)."""
+    the counter's noise per update where known (see ``POOLED_FREEDOM``); ``lag_fitted``:
+    whether ``lag_s`` is one of the readings' unknowns (not where the probe told it)."""
     times = np.array([tick.time_s for tick in ticks]) - lag_s
     energy_j = np.diff([tick.mj for tick in ticks]) / 1000.0
     low, high = times[:-1, None], times[1:, None]
@@ -369,7 +373,8 @@ def fit_at(
     residual = energy_j - design[:, present] @ power[present]
     rss = float(residual @ residual)
     error = np.full(variants + 1, math.inf)
-    error[present] = _relative_errors(design[:, present], power[present], rss, noise_mj)
+    error[present] = _relative_errors(design[:, present], power[present], rss, noise_mj,
+                                      lag_fitted)
     return Fit(
         tuple(float(p) for p in power[:variants]),
         tuple(float(e) for e in error[:variants]),
@@ -381,14 +386,15 @@ def fit_at(
 
 
 def _relative_errors(
-    design: np.ndarray, power: np.ndarray, rss: float, noise_mj: float | None
+    design: np.ndarray, power: np.ndarray, rss: float, noise_mj: float | None,
+    lag_fitted: bool = True,
 ) -> np.ndarray:
     """Standard error of each power (covariance ``s^2 (A^T A)^-1``) over the power; inf
     where the readings are too few to tell it (``MIN_FREEDOM``, or ``POOLED_FREEDOM``
     where the counter's ``noise_mj`` per update is known: ``s^2`` is then at least its
     square), or the power is zero."""
     rows, columns = design.shape
-    freedom = rows - columns - 1  # the lag is fitted too
+    freedom = rows - columns - lag_fitted
     if freedom < (MIN_FREEDOM if noise_mj is None else POOLED_FREEDOM):
         return np.full(columns, math.inf)
     variance = rss / freedom
@@ -468,18 +474,19 @@ def more_blocks(error: float, blocks: int, policy: MultiplexPolicy) -> int:
 
 
 def first_round(
-    variants: int, period_s: float | None, policy: MultiplexPolicy, *, noise_known: bool = False
+    variants: int, period_s: float | None, policy: MultiplexPolicy, *, noise_known: bool = False,
+    lag_known: bool = False,
 ) -> tuple[int, float]:
     """Blocks of each variant in the first round, and how long each is: ``min_blocks`` of
     ``block_s``, or, where the counter's period is known and they would not span enough
     updates for an error to be stated (``MIN_FREEDOM`` beyond the unknowns: the powers,
-    the gap's and the lag; ``POOLED_FREEDOM`` where the counter's noise is
-    ``noise_known``), as few as span them in blocks of at most ``max_block_s``, stretched
-    to span just them."""
+    the gap's and the lag unless ``lag_known``; ``POOLED_FREEDOM`` where the counter's
+    noise is ``noise_known``), as few as span them in blocks of at most ``max_block_s``,
+    stretched to span just them."""
     if period_s is None:
         return policy.min_blocks, policy.block_s
     freedom = POOLED_FREEDOM if noise_known else MIN_FREEDOM
-    needed_s = (variants + 2 + freedom) * period_s
+    needed_s = (variants + 1 + (not lag_known) + freedom) * period_s
     blocks = max(policy.min_blocks, math.ceil(needed_s / (variants * policy.max_block_s)))
     return blocks, max(policy.block_s, needed_s / (variants * blocks))
 
@@ -541,12 +548,15 @@ def multiplex(
     cuda: bool = False,
     period_s: float | None = None,
     noise_mj: float | None = None,
+    lag_s: float | None = None,
     lead_in: Callable[[], object] | None = None,
 ) -> Multiplexed:
     """Time and energy per run of each of ``runs``, run interleaved in blocks while
     ``read_mj`` (the energy counter, mJ) is polled; ``period_s`` is the counter's update
     period where known (else the median time between its ticks), ``noise_mj`` its noise
-    per update where known (fewer readings then state an error). ``control`` runs in every
+    per update where known (fewer readings then state an error), ``lag_s`` its lag where
+    probed (``counter.CounterBehaviour.lag_s``: then not fitted, a batch spans one update
+    fewer, and waits for its report only that long after its last block). ``control`` runs in every
     round; ``seed`` (the same on every rank) draws the block order; ``agree`` (see the
     module docstring) is called in the same order on every rank. ``lead_in`` runs once the
     counter is watched, before the first block (a clock change's settle: the tick the
@@ -556,7 +566,8 @@ def multiplex(
     variants = len(runs)
     batch = _Batch(runs, timer, cuda)
     per_run_s = [_warm_up(run, timer, cuda) for run in runs]
-    first, block_s = first_round(variants, period_s, policy, noise_known=noise_mj is not None)
+    first, block_s = first_round(variants, period_s, policy, noise_known=noise_mj is not None,
+                                 lag_known=lag_s is not None)
     counts = [first] * variants
     with TickRecorder(read_mj, timer, policy.poll_s) as recorder:
         if lead_in is not None:
@@ -568,13 +579,16 @@ def multiplex(
             for variant in schedule(counts, rng):
                 batch.run_block(variant, sizes[variant], round_)
             reported = functools.partial(
-                _reported, end_s=batch.blocks[-1].end_s, period_s=period_s
+                _reported, end_s=batch.blocks[-1].end_s, period_s=period_s,
+                lag_s=None if lag_s is None else lag_s + policy.max_spread_s,
             )
             ticks = recorder.wait(reported, policy.silent_s)
             period = period_s or _period(ticks)
             usable = regular(ticks, period, policy.poll_s) or sharp(ticks, policy.max_spread_s)
-            fit = solve(usable, batch.blocks, variants, period_s=period,
-                        lag_step_s=policy.lag_step_s, noise_mj=noise_mj)
+            fit = (solve(usable, batch.blocks, variants, period_s=period,
+                         lag_step_s=policy.lag_step_s, noise_mj=noise_mj) if lag_s is None
+                   else fit_at(usable, batch.blocks, variants, lag_s, noise_mj,
+                               lag_fitted=False))
             if round_ == policy.max_rounds - 1:
                 break
             counts = [decide(more_blocks(fit.error[v], len(batch.of(v)), policy))
@@ -585,7 +599,7 @@ def multiplex(
             per_run_s = [batch.per_run_s(v) for v in range(variants)]
             block_s = policy.block_s  # added blocks are the policy's own length
     split = fit_at(usable, by_round(batch.blocks, control, variants), variants + round_ + 1,
-                   fit.lag_s, noise_mj)
+                   fit.lag_s, noise_mj, lag_fitted=lag_s is None)
     result = Multiplexed(
         tuple(batch.estimate(v, fit) for v in range(variants)),
         control,
@@ -608,11 +622,14 @@ def _warm_up(run: Callable[[], object], timer: Callable[[], float], cuda: bool) 
     return end - start
 
 
-def _reported(ticks: tuple[Tick, ...], end_s: float, period_s: float | None) -> bool:
+def _reported(ticks: tuple[Tick, ...], end_s: float, period_s: float | None,
+              lag_s: float | None = None) -> bool:
     """Whether the counter has reported the energy up to ``end_s``: a tick came at least
-    one update period (the largest lag the solver tries) after it."""
+    ``lag_s`` (the known lag, and a tick's spread) or else one update period (the largest
+    lag the solver tries) after it; and two ticks, where the period is told from them."""
     period = period_s or update_period_s(ticks)
-    return period is not None and ticks[-1].time_s >= end_s + period
+    wait = period if lag_s is None else lag_s
+    return period is not None and ticks[-1].time_s >= end_s + wait
 
 
 def _period(ticks: Sequence[Tick]) -> float:
