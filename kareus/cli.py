@@ -14,7 +14,25 @@ from rich.text import Text
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command ``argv`` names; its exit status (130: interrupted, one line said)."""
+    return _run(build_parser().parse_args(argv))
+
+
+def console(argv: list[str] | None = None) -> None:
+    """The ``kareus`` command: ``main``, then the process ends with its status. An
+    interrupted ``plan`` or ``bench`` ends it at once (``interrupts.end_process``: the
+    interpreter's exit can abort under what they left running); ``demo`` exits as usual,
+    so that its clocks are reset and its processes joined."""
     args = build_parser().parse_args(argv)
+    status = _run(args)
+    if status == 130 and args.command in ("plan", "bench"):
+        from kareus import interrupts
+
+        interrupts.end_process(status)
+    raise SystemExit(status)
+
+
+def _run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=(logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)],
         format="%(levelname)s %(name)s: %(message)s",
@@ -23,11 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return command(args)
     except KeyboardInterrupt:  # one line, not a traceback: every output is written whole
-        from kareus import interrupts
-
         print(f"kareus {args.command}: interrupted", file=sys.stderr)
-        if args.command in ("plan", "bench"):
-            interrupts.end_process(130)
         return 130
 
 

@@ -20,7 +20,7 @@ def test_sigint_mid_plan_ends_at_once_with_one_line_and_no_file(tmp_path, after_
     # As in a terminal: the default handler (a child of a background job ignores SIGINT).
     argv = [*PLAN, "--json", str(tmp_path / "r.json"), "--cache-dir", str(tmp_path / "store")]
     code = ("import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
-            f"from kareus.cli import main; raise SystemExit(main({argv!r}))")
+            f"from kareus.cli import console; console({argv!r})")
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     time.sleep(after_s)
