@@ -25,12 +25,12 @@ import torch.distributed as dist
 import torch.fx
 from torch._inductor.compile_fx import compile_fx
 
-from kareus import interrupts
 from kareus.codegen.lowering import lower, pinned_schedule_config
 from kareus.codegen.partitioner import partitioner_config
 from kareus.devices.base import Device
 from kareus.devices.resolve import check_device
 from kareus.errors import KareusError
+from kareus.interrupts import raise_if_interrupted
 from kareus.options import (
     DEFAULT_SOURCE,
     OPTIONS_FILE_VARIABLE,
@@ -250,7 +250,7 @@ class KareusBackend:
         kwargs: Mapping[str, Any],
     ) -> Callable[..., Any]:
         """One AOT graph through the stages, recorded in its report, lowered."""
-        interrupts.check()  # a pending Ctrl-C of ``kareus plan``: each graph is a safe point
+        raise_if_interrupted()  # a pending Ctrl-C of ``kareus plan``: each graph is a safe point
         kind = ("backward" if kwargs.get("is_backward")
                 else "inference" if kwargs.get("is_inference") else "forward")
         options, device, world = self.options, self.device, _world_size()
@@ -311,7 +311,7 @@ class KareusBackend:
                                     estimate_note, analysis.exchanged and EXCHANGED) if n),
             profile_gpu_s=self.spend.by_graph.get(analysis.label, 0.0),
         ))
-        interrupts.check()
+        raise_if_interrupted()
         lowered = lower(compiled, inputs, options.lowering, **kwargs)
         # An exchanged graph's check would be agreed on, as its decision is not.
         verify = options.verify and not analysis.exchanged

@@ -5,11 +5,11 @@ SIGINT arrives. In a plan that is often inside torch: a weakref callback run by 
 collector (Dynamo's caches), where the exception is printed as "Exception ignored" and
 lost, so the plan went on for minutes; or a function the autograd engine calls, which can
 end in a native abort. So within ``at_safe_points`` SIGINT only marks itself pending, and
-``KeyboardInterrupt`` is raised at the command's next ``check``: between compiled regions
-and graphs, between graphs of a step's frontier, at every poll of a solve's wait
-(``planner.pipeline.side_by_side``), before outputs are written. A signal handed over by
-code at a point it chose (``profiler.interrupt.DeferredSignals``, once the profiling
-stopped) raises at once, and so does a second Ctrl-C.
+``KeyboardInterrupt`` is raised at the command's next ``raise_if_interrupted``: between
+compiled regions and graphs, between graphs of a step's frontier, at every poll of a
+solve's wait (``planner.pipeline.side_by_side``), before outputs are written. A signal
+handed over by code at a point it chose (``profiler.interrupt.DeferredSignals``, once the
+profiling stopped) raises at once, and so does a second Ctrl-C.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from types import FrameType
 _pending = threading.Event()  # process-wide, as signal handlers are
 
 
-def check() -> None:
+def raise_if_interrupted() -> None:
     """Raise ``KeyboardInterrupt`` if SIGINT came within ``at_safe_points``."""
     if _pending.is_set():
         raise KeyboardInterrupt
@@ -40,8 +40,9 @@ def _on_sigint(signum: int, frame: FrameType | None) -> None:
 
 @contextlib.contextmanager
 def at_safe_points() -> Iterator[None]:
-    """SIGINT pending until the next ``check`` within the block (on the main thread, where
-    Python runs signal handlers, and only where SIGINT raises ``KeyboardInterrupt``)."""
+    """SIGINT pending until the next ``raise_if_interrupted`` within the block (on the
+    main thread, where Python runs signal handlers, and only where SIGINT raises
+    ``KeyboardInterrupt``)."""
     if (threading.current_thread() is not threading.main_thread()
             or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
         yield

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from kareus import interrupts
+from kareus.interrupts import raise_if_interrupted
 from kareus.offline import memory, report
 from kareus.offline.models import artifact_first_stage_layers, resolve_model
 from kareus.offline.report import OutputError
@@ -124,7 +124,7 @@ def plan_command(args: argparse.Namespace, budget: dict[str, Any], console: Cons
     with solving(console, workload):
         plan = plan_offline(workload, args.device, chosen_budget, schedule=args.schedule,
                             stages=stages, max_solve_s=args.max_solve_s or None)
-    interrupts.check()
+    raise_if_interrupted()
     elapsed = time.perf_counter() - start
     data = {**result_json(plan), "seconds": elapsed, "kareus_version": __version__}
     console.print(traced_words(workload), markup=False)

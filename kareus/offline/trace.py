@@ -52,9 +52,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from kareus import interrupts
 from kareus.backend import KareusBackend
 from kareus.errors import KareusError
+from kareus.interrupts import raise_if_interrupted
 from kareus.models.llama import Llama, fake_parallel_llama
 from kareus.offline.workload import Workload
 from kareus.planner.compose import FrontierPoint
@@ -279,7 +279,7 @@ def run_microbatch(
                     h = torch.compile(stage, backend=backend)(h, tokens, model.rope_cos,
                                                               model.rope_sin)
                     compiled("stage", s)
-                    interrupts.check()
+                    raise_if_interrupted()
                 h.backward()
             return
         embed = torch.compile(model.tok_embeddings, backend=backend)
@@ -289,14 +289,14 @@ def run_microbatch(
         h = embed(tokens)
         compiled("embed", 0)
         for i, block in enumerate(blocks, start=1):
-            interrupts.check()
+            raise_if_interrupted()
             h = block(h, model.rope_cos, model.rope_sin)
             compiled("block", i)
         with parallel:
-            interrupts.check()
+            raise_if_interrupted()
             loss = tail(h, tokens)
             compiled("tail", 0)
-            interrupts.check()
+            raise_if_interrupted()
             loss.backward()
 
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kareus import interrupts
+from kareus.interrupts import raise_if_interrupted
 from kareus.passes.decide import Choice
 
 
@@ -138,7 +138,7 @@ def step_frontier(
             FrontierPoint(o.time_s, o.effective_energy_j, (o.choice,))
         )
     for graph_points in fronts[1:]:
-        interrupts.check()  # a graph's merge can take a second: a pending Ctrl-C ends it
+        raise_if_interrupted()  # a graph's merge can take a second: a pending Ctrl-C ends it
         merged: dict[tuple[Hashable, Hashable], list[FrontierPoint]] = {}
         for (first, _), plans in partial.items():
             for o in graph_points:

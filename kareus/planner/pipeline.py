@@ -79,8 +79,8 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import csr_array
 
-from kareus import interrupts
 from kareus.errors import KareusError
+from kareus.interrupts import raise_if_interrupted
 from kareus.planner.budget import Budget, BudgetError, asked, limit_of
 from kareus.planner.compose import FrontierPoint, Switch, clock_of, fronts_by
 from kareus.planner.pipeline_large import (
@@ -514,8 +514,8 @@ def stoppable(solve: Callable[[], _T], poll_s: float = 0.1) -> _T:
     but does not return to Python until it ends (up to ``max_solve_s``, or an hour
     unbounded), so a Ctrl-C on the thread that called it would wait for the whole solve;
     here the wait ends at its next poll with the ``KeyboardInterrupt`` (a pending one:
-    ``interrupts.check``), and the abandoned solve, on a daemon thread, ends with the
-    process (``interrupts.end_process``)."""
+    ``interrupts.raise_if_interrupted``), and the abandoned solve, on a daemon thread,
+    ends with the process (``interrupts.end_process``)."""
     return side_by_side([solve], poll_s)[0]
 
 
@@ -539,7 +539,7 @@ def side_by_side(solves: Sequence[Callable[[], _T]], poll_s: float = 0.1) -> lis
     for worker in workers:
         while worker.is_alive() and not failed:
             worker.join(poll_s)
-            interrupts.check()
+            raise_if_interrupted()
     if failed:
         raise failed[0]
     return [found[n] for n in range(len(solves))]

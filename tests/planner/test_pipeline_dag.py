@@ -714,15 +714,21 @@ def test_a_solve_runs_where_ctrl_c_stops_the_wait_at_once():
     """HiGHS releases the GIL but returns to Python only at its end: the solve runs on a
     thread, and a Ctrl-C (here ``interrupt_main``) ends the caller's wait in a poll."""
     import _thread
+    import signal
     import threading
     import time
 
     assert stoppable(lambda: 42) == 42
     with pytest.raises(PipelineInputError, match="raised on the caller"):
         stoppable(lambda: (_ for _ in ()).throw(PipelineInputError("raised on the caller")))
-    timer = threading.Timer(0.2, _thread.interrupt_main)
-    started = time.perf_counter()
-    timer.start()
-    with pytest.raises(KeyboardInterrupt):
-        stoppable(lambda: time.sleep(30), poll_s=0.05)
+    # SIGINT's handler as in a terminal: a background job's children ignore it
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        timer = threading.Timer(0.2, _thread.interrupt_main)
+        started = time.perf_counter()
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            stoppable(lambda: time.sleep(30), poll_s=0.05)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert time.perf_counter() - started < 5
