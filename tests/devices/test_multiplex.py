@@ -280,7 +280,7 @@ def test_with_the_lag_the_probe_told_the_batch_is_shorter_and_as_exact() -> None
     assert first_round(len(runs), 0.1, DEFAULT_POLICY, noise_known=True, lag_known=True)[1] < (
         first_round(len(runs), 0.1, DEFAULT_POLICY, noise_known=True)[1])
     ticks = (Tick(0.0, 0.0), Tick(1.04, 10.0))
-    assert _reported(ticks, 1.0, 0.1, lag_s=0.03)  # a tick the lag after the last block
+    assert _reported(ticks, 1.0, 0.1, wait_s=0.03)  # a tick the lag after the last block
     assert not _reported(ticks, 1.0, 0.1)  # a whole update after it, where the lag is fitted
 
 

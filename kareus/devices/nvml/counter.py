@@ -208,8 +208,8 @@ class _Poller:
         """When the counter's value last changed (or the first read)."""
         self.busy_s = 0.0
         """How long the ``busy`` calls took, in all."""
-        self.slices: list[tuple[float, float]] | None = None
-        """Where a list: each ``busy`` call's start and end from now on."""
+        self.slices: list[tuple[float, float]] = []
+        """Each ``busy`` call's start and end."""
         self.changes: list[tuple[float, int]] = []
         """Each change of the counter seen: when, and its new value."""
 
@@ -226,8 +226,7 @@ class _Poller:
                 self.busy(step)
                 ended = self.timer()
                 self.busy_s += ended - now
-                if self.slices is not None:
-                    self.slices.append((now, ended))
+                self.slices.append((now, ended))
             else:
                 self.idle(step)
             value = self.read_mj()
@@ -287,7 +286,8 @@ def probe_counter(
     began = timer()
     poller = _Poller(read_mj, busy, idle, timer, gpu=gpu, poll_s=poll_s, stall_s=stall_s)
     period_s, noise_mj = _update_period(poller)
-    poller.slices, recorded = [], len(poller.changes)
+    # the lag is fitted from here on: the period's first changes may count what ran before
+    slices, changes = len(poller.slices), len(poller.changes)
     level_s = max(LEVEL_UPDATES * period_s, MIN_WINDOW_S)
     loaded, unloaded = (poller.window(_steady(b), level_s, period_s) for b in (True, False))
     levels = _Levels(
@@ -306,7 +306,8 @@ def probe_counter(
         for m in periods
     )
     integrates = swing < SWING_LIMIT
-    lag_s = _lag(poller.changes[recorded:], poller.slices, period_s) if integrates else None
+    lag_s = (_lag(poller.changes[changes:], poller.slices[slices:], period_s) if integrates
+             else None)
     behaviour = CounterBehaviour(
         gpu=gpu,
         driver=driver,

@@ -556,8 +556,8 @@ def multiplex(
     period where known (else the median time between its ticks), ``noise_mj`` its noise
     per update where known (fewer readings then state an error), ``lag_s`` its lag where
     probed (``counter.CounterBehaviour.lag_s``: then not fitted, a batch spans one update
-    fewer, and waits for its report only that long after its last block). ``control`` runs in every
-    round; ``seed`` (the same on every rank) draws the block order; ``agree`` (see the
+    fewer, and waits for its report only that long after its last block). ``control``
+    runs in every round; ``seed`` (the same on every rank) draws the block order; ``agree`` (see the
     module docstring) is called in the same order on every rank. ``lead_in`` runs once the
     counter is watched, before the first block (a clock change's settle: the tick the
     first block waits for comes during it, the GPU idle in the fit's gap)."""
@@ -580,7 +580,7 @@ def multiplex(
                 batch.run_block(variant, sizes[variant], round_)
             reported = functools.partial(
                 _reported, end_s=batch.blocks[-1].end_s, period_s=period_s,
-                lag_s=None if lag_s is None else lag_s + policy.max_spread_s,
+                wait_s=None if lag_s is None else lag_s + policy.max_spread_s,
             )
             ticks = recorder.wait(reported, policy.silent_s)
             period = period_s or _period(ticks)
@@ -623,13 +623,13 @@ def _warm_up(run: Callable[[], object], timer: Callable[[], float], cuda: bool) 
 
 
 def _reported(ticks: tuple[Tick, ...], end_s: float, period_s: float | None,
-              lag_s: float | None = None) -> bool:
+              wait_s: float | None = None) -> bool:
     """Whether the counter has reported the energy up to ``end_s``: a tick came at least
-    ``lag_s`` (the known lag, and a tick's spread) or else one update period (the largest
+    ``wait_s`` (the known lag and a tick's spread) or else one update period (the largest
     lag the solver tries) after it; and two ticks, where the period is told from them."""
     period = period_s or update_period_s(ticks)
-    wait = period if lag_s is None else lag_s
-    return period is not None and ticks[-1].time_s >= end_s + wait
+    return period is not None and ticks[-1].time_s >= end_s + (
+        period if wait_s is None else wait_s)
 
 
 def _period(ticks: Sequence[Tick]) -> float:
