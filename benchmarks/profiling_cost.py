@@ -8,10 +8,12 @@ blocks of a model, are measured once):
   one slot, searched per nanobatch count k of the graph's space (``profile.profile_graph``:
   a Bayesian search of at most ``search_budget`` evaluations at every third search clock,
   the graph's searches side by side, a round per clock);
-- whole graphs, at their first call (``planner.measured``, ``graph_cost.GraphMeasurer``):
-  every variant the planner's frontier asks for (``planner.graph.graph_frontier``: the
-  unrewritten graph, each k's default variant, each candidate of the composed frontier),
-  at about four clocks and a held-back one (``graph_cost.measured_clocks``, ``grid``).
+- whole graphs, on their first calls' inputs once the step's graphs all had theirs
+  (``planner.measured``, ``graph_cost.GraphMeasurer``): every variant the planner's
+  frontier asks for (``planner.graph.graph_frontier``: the unrewritten graph, each k's
+  default variant, each candidate of the composed frontier), at about four clocks and a
+  held-back one (``graph_cost.measured_clocks``, ``grid``), the step's graphs whose
+  collectives share their groups together (a team).
 
 Each batch costs what the default protocol takes on a GPU whose energy counter integrates
 and whose noise and lag the probe measured (``Protocol().seconds_per_batch``: the NVML
@@ -22,9 +24,11 @@ energies recovered by least squares over the counter's readings:
 ``devices.nvml.multiplex``), exactly what ``measure_batch`` charges ``GpuTime`` for a
 simulated, deterministic device, with the simulated GPU's time of each variant as
 ``run_s``. A graph's partition points are measured a round at a time (one clock and one
-batch each, the searches side by side); a whole graph's variants a clock at a time (the
-clock switches between batches only), and its chosen point is checked once in a 2 s
-window (``Protocol.seconds_per_check``). Where the counter samples part of
+batch each, the searches side by side); a team's whole-graph variants a clock at a time,
+each round's at one clock in one batch for all its graphs (the clock switches between
+batches only; a batch's GPU-seconds are split among its graphs by their variants in it,
+as kareus charges them), and each graph's chosen point is checked once in a 2 s window
+(``Protocol.seconds_per_check``). Where the counter samples part of
 the time the device falls back to windows long enough for the stated error
 (``SAMPLED_WINDOW_S``, 3 repeats each): that figure is printed beside it.
 
@@ -52,12 +56,12 @@ slower than the baseline, per graph) and at the fastest, and per graph by hyperv
 Every measurement the device takes is logged; the counts and GPU-seconds here are the
 log's, checked against kareus's own (each profile's ``measured`` and ``gpu_s``,
 ``GpuTime.by_graph``: tests/test_profiling_cost.py). Per rank is per node: under TP the
-node's ranks measure every variant together, except a graph without collectives, which
-each rank runs alone and the node's ranks split as replicas do (``replicas.Pool``: its
-batches and its check claimed one at a time). Not counted: compiling each variant
-(Inductor, on a real GPU), the search's proposals on the host (the seconds this script
-spends tracing are an upper bound for them), repeats past 3 where a real GPU's readings
-spread by more than 5%.
+node's ranks measure every variant together, except a team of graphs without
+collectives, which each rank runs alone and the node's ranks split as replicas do
+(``replicas.Pool``: its batches and its checks claimed one at a time). Not counted:
+compiling each variant (Inductor, on a real GPU), the search's proposals on the host (the
+seconds this script spends tracing are an upper bound for them), repeats past 3 where a
+real GPU's readings spread by more than 5%.
 
     python benchmarks/profiling_cost.py --model llama3.1-8b --tp 8
 """
@@ -66,6 +70,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import collections
 import dataclasses
 import json
 import sys
@@ -183,10 +188,12 @@ class GraphCount:
     partitions: list[dict[str, Any]] = field(default_factory=list)
     whole: dict[str, Any] = field(default_factory=dict)
 
-    shared_by: int = 1
-    """The node's ranks that split its whole-graph measuring: a graph without collectives
-    runs on each tensor-parallel rank alone, and those ranks (its replicas on the node)
-    claim its batches and its check one at a time (``replicas.Pool``)."""
+    team: tuple[str, ...] = ()
+    """The process groups of its collectives: the graphs of one team (a step's, sharing
+    them) are measured together, a batch per clock and round for all of them (their
+    partition searches side by side, then their whole graphs); a team of graphs without
+    collectives runs on each tensor-parallel rank alone, and those ranks (its replicas on
+    the node) claim its batches and its checks one at a time (``replicas.Pool``)."""
 
     rounds: list[tuple[int, int, float, int]] = field(default_factory=list)
     """The partition searches' measurements (batch, clock, run time, the search's index in
@@ -195,39 +202,25 @@ class GraphCount:
     def partition_run_s(self) -> list[float]:
         return [r for _, _, r, _ in self.rounds]
 
-    def replica_partition_s(self, protocol: Protocol, replicas: int) -> float:
-        """The partition searches' node time with ``replicas`` data-parallel replicas
-        starting together: each searches one slice (``replicas.deal`` over the searches'
-        most evaluations, as ``profile`` deals them), in rounds of that slice's searches
-        alone (a search proposes what it would alone, so its rounds are the full rounds'
-        share), and the node waits for the longest slice."""
-        slices = deal([p["weight"] for p in self.partitions], replicas)
-        return max((_batches_s([(r, f, b) for b, f, r, i in self.rounds if i in set(part)],
-                               protocol) for part in slices), default=0.0)
+    def entries(self) -> list[tuple[float, int, int, str]]:
+        """Every measurement it took in a batch: (run time, clock, batch, "partition" or
+        "whole")."""
+        w = self.whole
+        return ([(r, f, b, "partition") for b, f, r, _ in self.rounds]
+                + [(r, f, b, "whole") for r, f, b in zip(
+                    w.get("run_s", []), w.get("clock_mhz", []), w.get("batch", []),
+                    strict=True)])
 
-    def replica_whole_s(self, protocol: Protocol, replicas: int) -> float:
-        """The whole graph's node time with ``replicas`` replicas: each round's batches (a
-        clock each) claimed one at a time, as ``graph_cost.GraphMeasurer`` claims them (a
-        work queue: the next batch to the replica free first), the node waiting for the
-        last of each round (a replica's first batch of a round counted with a clock
-        switch: an upper bound), and the chosen point checked once, by one replica."""
-        entries = list(zip(self.whole.get("run_s", []), self.whole.get("clock_mhz", []),
-                           self.whole.get("batch", []), self.whole.get("round", []),
-                           strict=True))
-        total = sum(map(protocol.seconds_per_check, self.whole.get("check_run_s", [])))
-        for r in sorted({entry[3] for entry in entries}):
-            batches: dict[int, tuple[int, list[float]]] = {}
-            for run_s, clock, batch, in_round in entries:
-                if in_round == r:
-                    batches.setdefault(batch, (clock, []))[1].append(run_s)
-            free = [0.0] * replicas
-            for clock, runs in batches.values():
-                first = min(range(replicas), key=lambda i: (free[i], i))
-                free[first] += protocol.seconds_per_batch(runs)
-            total += max(free)
-        return total
+    def whole_entries(self) -> list[tuple[float, int, int, int]]:
+        """Its whole-graph measurements: (run time, clock, batch, round), as taken."""
+        w = self.whole
+        return list(zip(w.get("run_s", []), w.get("clock_mhz", []), w.get("batch", []),
+                        w.get("round", []), strict=True))
 
-    def to_json(self, protocol: Protocol) -> dict[str, Any]:
+    def to_json(self, protocol: Protocol, shares: dict[str, float]) -> dict[str, Any]:
+        """Its counts; ``shares``: its GPU-seconds of its team's batches ("partition",
+        "whole": each batch's split by the variants each graph has in it, as kareus
+        charges them; "whole" with its checks)."""
         per_k: dict[str, dict[str, float]] = {}
         for p in self.partitions:
             k = per_k.setdefault(str(p["k"]), {"distinct": 0, "evaluations": 0,
@@ -236,31 +229,93 @@ class GraphCount:
             k["evaluations"] += p["evaluations"]
             k["measured"] += p["measured"]
             k["gpu_s"] += p["kareus_gpu_s"]
-        partition_s = _batches_s([(r, f, b) for b, f, r, _ in self.rounds], protocol)
-        whole = list(zip(self.whole.get("run_s", []), self.whole.get("clock_mhz", []),
-                         self.whole.get("batch", []), strict=True))
         checks = self.whole.get("check_run_s", [])
-        whole_s = _batches_s(whole, protocol) + sum(map(protocol.seconds_per_check, checks))
-        every = [*self.partition_run_s(), *(r for r, _, _ in whole), *checks]
+        every = [*self.partition_run_s(), *self.whole.get("run_s", []), *checks]
         return {
             "label": self.label, "role": self.role, "graph_hash": self.graph_hash,
-            "kind": self.kind,
+            "kind": self.kind, "team": list(self.team),
             "partitions_by_k": per_k, "partitions": self.partitions,
             "partition_measurements": len(self.partition_run_s()),
             "whole_graph": self.whole,
             "whole_graph_measurements": len(self.whole.get("run_s", [])),
-            "partition_gpu_s": partition_s, "whole_graph_gpu_s": whole_s,
-            "gpu_s": partition_s + whole_s,
-            "node_s": partition_s + (whole_s if self.shared_by == 1 else
-                                     self.replica_whole_s(protocol, self.shared_by)),
-            "replicas_gpu_s": (self.replica_partition_s(protocol, REPLICAS)
-                               + self.replica_whole_s(protocol, REPLICAS * self.shared_by)),
+            "partition_gpu_s": shares["partition"], "whole_graph_gpu_s": shares["whole"],
+            "gpu_s": shares["partition"] + shares["whole"],
             "partition_rounds": len({b for b, _, _, _ in self.rounds}),
             "partition_batches": [list(entry) for entry in self.rounds],
-            "whole_graph_clock_switches": _switches([f for _, f, _ in whole]),
             "sampled_counter_gpu_s": sum(
                 protocol.seconds_per_evaluation(r, min_window_s=SAMPLED_WINDOW_S) for r in every),
         }
+
+
+def _teams(graphs: Sequence[GraphCount]) -> list[list[GraphCount]]:
+    """The graphs measured together (by their team's groups)."""
+    teams: dict[tuple[str, ...], list[GraphCount]] = {}
+    for g in graphs:
+        teams.setdefault(g.team, []).append(g)
+    return list(teams.values())
+
+
+def _team_entries(team: Sequence[GraphCount]) -> list[tuple[float, int, int, str]]:
+    """A team's measurements in batches (run time, clock, batch, kind), as taken."""
+    return sorted((e for g in team for e in g.entries()), key=lambda e: e[2])
+
+
+def _checks_s(team: Sequence[GraphCount], protocol: Protocol) -> float:
+    return sum(protocol.seconds_per_check(r) for g in team
+               for r in g.whole.get("check_run_s", []))
+
+
+def team_s(team: Sequence[GraphCount], protocol: Protocol) -> float:
+    """A team's GPU-seconds on one rank: its batches in the order taken (a clock switch
+    where the clock changed) and its checks."""
+    return (_batches_s([(r, f, b) for r, f, b, _ in _team_entries(team)], protocol)
+            + _checks_s(team, protocol))
+
+
+def shares(team: Sequence[GraphCount], protocol: Protocol) -> dict[str, dict[str, float]]:
+    """Each graph's share of :func:`team_s`, its partitions' and its whole graph's (with
+    its checks): each batch split by its variants."""
+    entries = _team_entries(team)
+    cost = _batch_costs([(r, f, b) for r, f, b, _ in entries], protocol)
+    size = collections.Counter(b for _, _, b, _ in entries)
+    return {g.label: {
+        kind: sum(cost[b] / size[b] for _, _, b, k in g.entries() if k == kind)
+        + (sum(protocol.seconds_per_check(r) for r in g.whole.get("check_run_s", []))
+           if kind == "whole" else 0.0)
+        for kind in ("partition", "whole")} for g in team}
+
+
+def replica_s(team: Sequence[GraphCount], protocol: Protocol, replicas: int) -> float:
+    """A team's node time with ``replicas`` replicas starting together:
+
+    - its partition searches dealt into a slice per replica (``replicas.deal`` over the
+      searches' most evaluations, as ``profile`` deals them), each searched in rounds of
+      that slice's searches alone (a search proposes what it would alone, so its rounds
+      are the full rounds' share), the node waiting for the longest slice;
+    - then each round of its whole graphs' batches (a clock each) claimed one at a time, as
+      ``graph_cost.GraphMeasurer`` claims them (a work queue: the next batch to the
+      replica free first), the node waiting for the last of each round (a replica's first
+      batch of a round counted with a clock switch: an upper bound);
+    - and each chosen point checked once, by one replica."""
+    searches = [(g, i, p["weight"]) for g in team for i, p in enumerate(g.partitions)]
+    slices = deal([w for _, _, w in searches], replicas) if searches else []
+    total = max((_batches_s(sorted(((r, f, b) for j in part
+                                   for b, f, r, i in searches[j][0].rounds
+                                   if i == searches[j][1]), key=lambda e: e[2]), protocol)
+                 for part in slices), default=0.0)
+    total += _checks_s(team, protocol)
+    entries = sorted((e for g in team for e in g.whole_entries()), key=lambda e: e[2])
+    for r in sorted({entry[3] for entry in entries}):
+        batches: dict[int, tuple[int, list[float]]] = {}
+        for run_s, clock, batch, in_round in entries:
+            if in_round == r:
+                batches.setdefault(batch, (clock, []))[1].append(run_s)
+        free = [0.0] * replicas
+        for _clock, runs in batches.values():
+            first = min(range(replicas), key=lambda i: (free[i], i))
+            free[first] += protocol.seconds_per_batch(runs)
+        total += max(free)
+    return total
 
 
 def _points_s(run_s: Sequence[float], protocol: Protocol) -> float:
@@ -268,16 +323,23 @@ def _points_s(run_s: Sequence[float], protocol: Protocol) -> float:
     return sum(protocol.seconds_per_batch([r]) for r in run_s)
 
 
-def _batches_s(entries: Sequence[tuple[float, int, int]], protocol: Protocol) -> float:
-    """Measurements (run time, clock, batch) in the order taken: each batch as one (its
-    variants share the counter's readings), a clock switch where the clock changed, as
-    ``profile.profile_graph``'s rounds and ``graph_cost.GraphMeasurer`` charge them."""
+def _batch_costs(entries: Sequence[tuple[float, int, int]], protocol: Protocol
+                 ) -> dict[int, float]:
+    """Each batch's GPU-seconds, of measurements (run time, clock, batch) in the order
+    taken: each batch as one (its variants share the counter's readings), a clock switch
+    where the clock changed, as ``profile.profile_graph``'s rounds and
+    ``graph_cost.GraphMeasurer`` charge them."""
     batches: dict[int, tuple[int, list[float]]] = {}
     for run_s, clock, batch in entries:
         batches.setdefault(batch, (clock, []))[1].append(run_s)
     clocks = [None, *(f for f, _ in batches.values())]
-    return sum(protocol.seconds_per_batch(runs, switched=f != before)
-               for (f, runs), before in zip(batches.values(), clocks, strict=False))
+    return {b: protocol.seconds_per_batch(runs, switched=f != before)
+            for (b, (f, runs)), before in zip(batches.items(), clocks, strict=False)}
+
+
+def _batches_s(entries: Sequence[tuple[float, int, int]], protocol: Protocol) -> float:
+    """The GPU-seconds of measurements (run time, clock, batch) in the order taken."""
+    return sum(_batch_costs(entries, protocol).values())
 
 
 def _switches(clocks: Sequence[int]) -> int:
@@ -302,15 +364,17 @@ def count(
         with mock.patch("kareus.backend.FirstCallPlanning", _recording(deferred)):
             compile_microbatch(workload, backend)
         traced_s = time.perf_counter() - started
-        reports = backend.reports()
-        graphs = _partition_counts(reports, gpu.log, search_budget)
-        for first in deferred:
-            _whole_graph(first, gpu, graphs[first.analysis.label])
-            if not first.analysis.collectives:
-                graphs[first.analysis.label].shared_by = workload.tp
+        roles = _roles(backend.reports())
+        graphs = {r.label: GraphCount(r.label, roles[r.label], r.key, r.kind)
+                  for r in backend.reports()}
+        _whole_graphs(deferred, gpu, graphs)  # the partitions searched there too
+        _partition_counts(backend.reports(), gpu.log, search_budget, graphs)
+        _assign_teams(deferred, graphs)
         planned = _true_frontiers(deferred, gpu)
     protocol = backend.protocol
-    rows = [g.to_json(protocol) for g in graphs.values()]
+    teams = _teams(list(graphs.values()))
+    split = {label: s for team in teams for label, s in shares(team, protocol).items()}
+    rows = [g.to_json(protocol, split[g.label]) for g in graphs.values()]
     quality = _quality(planned, reference(workload, device, seed=seed),
                        {g.label: g.role for g in graphs.values()}, workload.model.n_layers)
     return {
@@ -322,7 +386,8 @@ def count(
         "whole_graph_clocks": list(measured_clocks(gpu.search_clocks())),
         "layers": workload.model.n_layers,
         "graphs": rows,
-        "totals": _totals(rows, len(gpu.log), protocol, workload.tp),
+        "teams": [_team_json(team, protocol, workload.tp) for team in teams],
+        "totals": _totals(rows, teams, len(gpu.log), protocol, workload.tp),
         "quality": quality,
         "kareus_gpu_s": dict(backend.spend.by_graph),  # GpuTime's own, to check against
         "host_seconds": {"trace_and_partition_search": traced_s,
@@ -330,11 +395,30 @@ def count(
     }
 
 
-def _totals(rows: list[dict[str, Any]], measurements: int, protocol: Protocol,
-            tp: int) -> dict[str, float]:
+def _team_json(team: Sequence[GraphCount], protocol: Protocol, tp: int) -> dict[str, Any]:
+    """A team's measuring: its graphs, batches, clock switches and GPU-seconds; its node
+    time (a team without collectives split among the node's ranks) and with ``REPLICAS``
+    data-parallel replicas."""
+    entries = _team_entries(team)
+    alone = tp if not team[0].team else 1  # the node's ranks that split it
+    batches = dict.fromkeys((b, f, kind) for _, f, b, kind in entries)
+    return {
+        "graphs": [g.label for g in team], "groups": list(team[0].team),
+        "partition_batches": sum(kind == "partition" for _, _, kind in batches),
+        "whole_graph_batches": sum(kind == "whole" for _, _, kind in batches),
+        "clock_switches": _switches([f for _, f, _ in batches]),
+        "gpu_s": team_s(team, protocol),
+        "node_s": team_s(team, protocol) if alone == 1 else replica_s(team, protocol, alone),
+        "replicas_node_s": replica_s(team, protocol, REPLICAS * alone),
+    }
+
+
+def _totals(rows: list[dict[str, Any]], teams: Sequence[Sequence[GraphCount]],
+            measurements: int, protocol: Protocol, tp: int) -> dict[str, float]:
     """Per rank (the node's ranks measure together: its wall time) and per node."""
     per_rank = sum(r["gpu_s"] for r in rows)
-    node_s = sum(r["node_s"] for r in rows)
+    team_rows = [_team_json(team, protocol, tp) for team in teams]
+    node_s = sum(t["node_s"] for t in team_rows)
     sampled = sum(r["sampled_counter_gpu_s"] for r in rows)
     floor_s = protocol.seconds_per_batch([0.0])
     return {
@@ -343,22 +427,23 @@ def _totals(rows: list[dict[str, Any]], measurements: int, protocol: Protocol,
         "measurements": measurements,
         "checks": sum(len(r["whole_graph"].get("check_run_s", [])) for r in rows),
         "gpu_s_per_rank": per_rank,
-        # the node's time: its ranks measure together, a graph without collectives split
-        # among them (``GraphCount.shared_by``)
+        # the node's time: its ranks measure together, a team of graphs without
+        # collectives split among them (``GraphCount.team``)
         "node_s": node_s,
         "node_wall_minutes": node_s / 60,
         "gpu_minutes_per_node": node_s * tp / 60,
         "target_gpu_minutes_per_node": TARGET_GPU_MINUTES_PER_NODE,
-        # Replicas share each graph's partition searches and whole-graph clocks, a slice
-        # each (``GraphCount.replica_partition_s``, ``replica_whole_s``).
+        # Replicas share each team's partition searches and whole-graph clocks, a slice
+        # each (``replica_s``).
         "replicas": REPLICAS,
-        "gpu_minutes_per_node_with_replicas": sum(r["replicas_gpu_s"] for r in rows) * tp / 60,
+        "gpu_minutes_per_node_with_replicas": sum(t["replicas_node_s"] for t in team_rows)
+        * tp / 60,
         "sampled_counter_gpu_s_per_rank": sampled,
         "sampled_counter_gpu_minutes_per_node": sampled * tp / 60,
         "sampled_window_s": SAMPLED_WINDOW_S,
-        "partition_rounds": sum(r["partition_rounds"] for r in rows),
-        "clock_switches": (sum(r["partition_rounds"] for r in rows)
-                           + sum(r["whole_graph_clock_switches"] for r in rows)),
+        "partition_rounds": sum(t["partition_batches"] for t in team_rows),
+        "whole_graph_batches": sum(t["whole_graph_batches"] for t in team_rows),
+        "clock_switches": sum(t["clock_switches"] for t in team_rows),
         # What a variant measured alone costs before it runs at all: the settle and the
         # blocks the counter's readings need (a partition's point).
         "floor_s_per_lone_measurement": floor_s,
@@ -370,25 +455,25 @@ def _totals(rows: list[dict[str, Any]], measurements: int, protocol: Protocol,
     }
 
 
-def _partition_counts(reports: Sequence[GraphReport], log: list[Logged], search_budget: int
-                      ) -> dict[str, GraphCount]:
-    """Each compiled graph's partition searches, with the measurements each took: the
-    log's partition entries, graphs in compile order, each entry given to the profile of
-    its partition and count (a graph's searches measure side by side, a round at a time),
-    each profile taking as many as it measured."""
+def _partition_counts(reports: Sequence[GraphReport], log: list[Logged], search_budget: int,
+                      graphs: dict[str, GraphCount]) -> None:
+    """Each graph's partition searches, with the measurements each took: the log's
+    partition entries, each given to the profile of its partition and count (a team's
+    searches measure side by side, a round at a time; a partition and count two graphs
+    hold is measured by the first and read back by the second), each profile taking as
+    many as it measured."""
     entries = [e for e in log if e.name.startswith("partition ")]
-    roles = _roles(reports)
-    graphs, at = {}, 0
+    if any(e.batch is None for e in entries):
+        raise RuntimeError("a partition measured outside a round")
+    taken: set[int] = set()
     for report in reports:
-        g = graphs[report.label] = GraphCount(report.label, roles[report.label], report.key,
-                                              report.kind)
-        taken = entries[at: at + sum(p.measured for p in report.profiles)]
-        at += len(taken)
+        g = graphs[report.label]
         searches = {}
         for index, p in enumerate(report.profiles):
-            mine = [e for e in taken if f"({p.key})" in e.name
-                    and f" k={p.nanobatches} " in e.name]
+            mine = ([e for e in entries if id(e) not in taken and f"({p.key})" in e.name
+                     and f" k={p.nanobatches} " in e.name] if p.measured else [])
             searches.update({id(e): index for e in mine})
+            taken.update(id(e) for e in mine)
             if len(mine) != p.measured:
                 raise RuntimeError(f"{report.label}: {len(mine)} measurements of {p.key} at "
                                    f"k={p.nanobatches}, which measured {p.measured}")
@@ -400,12 +485,10 @@ def _partition_counts(reports: Sequence[GraphReport], log: list[Logged], search_
                 "run_s": [e.run_s for e in mine],
                 "weight": min(search_budget, p.space_size),
             })
-        if any(e.batch is None for e in taken):
-            raise RuntimeError(f"{report.label}: a partition measured outside a round")
-        g.rounds = [(e.batch, e.clock_mhz, e.run_s, searches[id(e)]) for e in taken]
-    if at != len(entries):
+        g.rounds = [(e.batch, e.clock_mhz, e.run_s, searches[id(e)]) for e in entries
+                    if id(e) in searches]
+    if len(taken) != len(entries):
         raise RuntimeError("partition measurements that no profile took")
-    return graphs
 
 
 Curve = tuple[tuple[float, float], list[tuple[float, float]]]
@@ -522,43 +605,76 @@ def _roles(reports: Sequence[GraphReport]) -> dict[str, str]:
     return {r.label: f"{role[r.label.split('/')[0]]}/{r.kind}" for r in reports}
 
 
-def _whole_graph(first: FirstCallPlanning, gpu: MeasuringGPU, into: GraphCount) -> None:
-    """``first`` called as the graph's first call calls it, on no inputs (the simulated
-    GPU costs a variant from its graph, never runs it); the log's entries it added, by
-    variant. Where it failed (the graph is then not planned, and its report says why),
-    what measuring the unrewritten graph would have taken."""
+def _whole_graphs(deferred: Sequence[FirstCallPlanning], gpu: MeasuringGPU,
+                  graphs: dict[str, GraphCount]) -> None:
+    """``deferred`` called as the graphs' first calls call them, in order, on no inputs
+    (the simulated GPU costs a variant from its graph, never runs it): the last completes
+    the step, and the step's graphs are measured then, a team's together; the log's
+    entries they added, by graph (a variant's name starts with its graph's label) and
+    variant. Where a graph's measuring failed (it is then not planned, and its report says
+    why), what measuring it unrewritten would have taken."""
     start = len(gpu.log)
     rounds: list[int] = []  # the first batch of each round of measuring (``_measure``)
     measure = GraphMeasurer._measure
 
-    def measuring(self: GraphMeasurer, choices: list[Choice]) -> None:
+    def measuring(self: GraphMeasurer, items: list) -> None:
         rounds.append(gpu._batches)
-        measure(self, choices)
+        measure(self, items)
 
     with mock.patch.object(GraphMeasurer, "_measure", measuring):
-        FirstCallPlanning.__call__(first, ())
-    checks = [e.run_s for e in gpu.log[start:] if e.check]
-    taken = [e for e in gpu.log[start:] if not e.check]
-    label = first.analysis.label
-    (report,) = (r for r in first.reports.all() if r.label == label)
-    failed = [n for n in report.notes if "measuring the whole graph failed" in n]
-    if failed:
-        into.whole = {"error": failed[0], "run_s": [e.run_s for e in taken],
+        for first in deferred:
+            FirstCallPlanning.__call__(first, ())
+    for first in deferred:
+        label = first.analysis.label
+        into = graphs[label]
+        mine = [e for e in gpu.log[start:] if e.name.startswith(f"{label} ")]
+        checks = [e.run_s for e in mine if e.check]
+        taken = [e for e in mine if not e.check]
+        (report,) = (r for r in first.reports.all() if r.label == label)
+        failed = [n for n in report.notes if "measuring the whole graph failed" in n]
+        if failed:
+            into.whole = {"error": failed[0], "run_s": [e.run_s for e in taken],
+                          "clock_mhz": [e.clock_mhz for e in taken],
+                          "batch": [e.batch for e in taken],
+                          "round": [bisect.bisect_right(rounds, e.batch) - 1 for e in taken],
+                          "unrewritten_if_measured_s": _unrewritten_s(first, gpu)}
+            continue
+        space = first.analysis.space
+        defaults = {f"k={k} {list(Choice.of(space.default(k)).partitions)}"
+                    for k in space.nanobatches if k > 1}
+        kinds = {"unrewritten": 0, "default": 0, "candidate": 0}
+        for variant in {e.name.removeprefix(f"{label} ") for e in taken}:
+            kinds["unrewritten" if variant.startswith("k=1 ") else
+                  "default" if variant in defaults else "candidate"] += 1
+        into.whole = {"variants": kinds, "measured": len(taken),
+                      "run_s": [e.run_s for e in taken],
                       "clock_mhz": [e.clock_mhz for e in taken],
                       "batch": [e.batch for e in taken],
-                      "unrewritten_if_measured_s": _unrewritten_s(first, gpu)}
-        return
-    space = first.analysis.space
-    defaults = {f"k={k} {list(Choice.of(space.default(k)).partitions)}"
-                for k in space.nanobatches if k > 1}
-    kinds = {"unrewritten": 0, "default": 0, "candidate": 0}
-    for variant in {e.name.removeprefix(f"{label} ") for e in taken}:
-        kinds["unrewritten" if variant.startswith("k=1 ") else
-              "default" if variant in defaults else "candidate"] += 1
-    into.whole = {"variants": kinds, "measured": len(taken), "run_s": [e.run_s for e in taken],
-                  "clock_mhz": [e.clock_mhz for e in taken], "batch": [e.batch for e in taken],
-                  "round": [bisect.bisect_right(rounds, e.batch) - 1 for e in taken],
-                  "check_run_s": checks}
+                      "round": [bisect.bisect_right(rounds, e.batch) - 1 for e in taken],
+                      "check_run_s": checks}
+
+
+def _assign_teams(deferred: Sequence[FirstCallPlanning], graphs: dict[str, GraphCount]
+                  ) -> None:
+    """Each graph's team, as measured: graphs that shared a batch, with their collectives'
+    groups."""
+    team_of = {first.analysis.label: first.analysis.label for first in deferred}
+
+    def root(label: str) -> str:
+        while team_of[label] != label:
+            label = team_of[label]
+        return label
+
+    by_batch: dict[int, str] = {}
+    for first in deferred:
+        label = first.analysis.label
+        for _, _, batch, _ in graphs[label].entries():
+            team_of[root(label)] = root(by_batch.setdefault(batch, label))
+    groups: dict[str, set[str]] = {}
+    for first in deferred:
+        groups.setdefault(root(first.analysis.label), set()).update(first.groups)
+    for first in deferred:
+        graphs[first.analysis.label].team = tuple(sorted(groups[root(first.analysis.label)]))
 
 
 def _unrewritten_s(first: FirstCallPlanning, gpu: MeasuringGPU) -> list[float]:
@@ -618,15 +734,17 @@ def table(result: dict[str, Any]) -> Table:
          f"among its ranks); {t['gpu_minutes_per_node']:.1f} GPU-minutes per node of "
          f"{result['tp']} GPUs "
          f"(target <= {t['target_gpu_minutes_per_node']:g})."),
-        ("Partitions searched at every third search clock. Whole-graph variants: "
+        ("Partitions searched at every third search clock, the step's side by side "
+         f"({t['partition_rounds']} rounds). Whole-graph variants: "
          f"unrewritten + each k's default (at {len(result['whole_graph_clocks'])} of "
          f"{len(result['search_clocks'])} clocks and a held-back one) + composed candidates "
-         f"(at the measured clocks around theirs), a clock at a time; {t['clock_switches']} "
-         "clock switches; each graph's chosen point checked once in a long window "
+         "(at the measured clocks around theirs), a clock at a time, the step's graphs "
+         f"together ({t['whole_graph_batches']} batches); {t['clock_switches']} clock "
+         "switches; each graph's chosen point checked once in a long window "
          f"({t['checks']} checks)."),
         (f"With {t['replicas']} data-parallel replicas: "
-         f"{t['gpu_minutes_per_node_with_replicas']:.1f} GPU-minutes per node (each "
-         "graph's partition searches dealt into a slice per replica, each round's whole-graph "
+         f"{t['gpu_minutes_per_node_with_replicas']:.1f} GPU-minutes per node (the "
+         "step's partition searches dealt into a slice per replica, each round's whole-graph "
          "clocks claimed one at a time; each chosen point checked by one). If the counter "
          "samples part of the time (windows of "
          f"{t['sampled_window_s']:g} s, 3 repeats): "

@@ -15,6 +15,7 @@ measured on its inputs then (``planner.measured``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -43,12 +44,13 @@ from kareus.passes.decide import Policy, VariantChooser, decide, earliest_slots,
 from kareus.passes.unwrap import opened_notes, unwrap_collectives
 from kareus.passes.variants import NANOBATCH_COUNTS
 from kareus.planner.graph import device_cost
-from kareus.planner.measured import FirstCallPlanning
+from kareus.planner.measured import FirstCallPlanning, FirstCalls
 from kareus.planner.pipeline_step import PipelinePlanning
 from kareus.planner.plan import Plan
 from kareus.planner.step import StepPlanner
 from kareus.profiler.graph import profile
 from kareus.profiler.measure import GpuTime, Protocol
+from kareus.profiler.profile import Searched
 from kareus.profiler.store import default_cache_dir
 from kareus.reports import GraphReport, ReportBook, modelled_cost, print_options
 from kareus.runtime import process_runtime
@@ -102,6 +104,8 @@ class KareusBackend:
         self.protocol = protocol or Protocol()
         self._reports = ReportBook(self.runtime.backends.next_report, self.options.explain)
         self._planner: StepPlanner | None = None
+        # the step's graphs measured at their first calls
+        self._first_calls = FirstCalls(self.runtime.compiles.key)
         self._spend: GpuTime | None = None
         self._announced = False
         # What can be refused before any graph is: a device file that is no GPU, a plan
@@ -275,11 +279,15 @@ class KareusBackend:
         counts = () if self._given_plan or analysis.exchanged else (
             self.planner.graph_counts(analysis))
         settings = options.profiling(self.protocol)
+        searched = Searched(analysis, (), lambda g, examples: lower(g, examples, options.lowering),
+                            self.runtime.communicators)
         profiled = profile(
             analysis, counts, device, self.store_dir, settings,
             plans=options.budget if planning else None, compile_key=compile_key,
-            lower=lambda g, examples: lower(g, examples, options.lowering),
-            communicators=self.runtime.communicators, spend=self.spend,
+            lower=searched.lower, communicators=searched.communicators, spend=self.spend,
+            # planned at its first call (a device that must run it): searched then, with
+            # the step's other graphs, side by side
+            search=device.costs_graphs or not planning,
         )
         builder = GraphBuilder(gm, analysis, options.lowering, kwargs, self.runtime.communicators)
         choice, plan_note, first_call = None, None, None
@@ -289,11 +297,13 @@ class KareusBackend:
                 region=region, compile_key=compile_key,
             )
         elif profiled.planned:
-            plan_note = ("planned at its first call: its variants are measured on its inputs "
-                         f"then, on {device.name}")
+            plan_note = ("planned at its first call: once the step's graphs had theirs, their "
+                         "partitions are searched and their variants measured together, on "
+                         f"their first calls' inputs, on {device.name}")
             first_call = FirstCallPlanning(
                 analysis, profiled.profiles, self.planner, builder, device, self.store_dir,
                 settings, self.spend, self._reports, region, compile_key, world,
+                self._first_calls, dataclasses.replace(searched, counts=profiled.later),
             )
         elif self._given_plan is not None:
             choice, plan_note = self.planner.given_choice(analysis)

@@ -1,9 +1,9 @@
 """Planning on a real GPU's path, on CPU, under the multiplexed protocol: 2 gloo ranks,
 each an ``nvml`` device on a fake driver whose power follows the locked clock (busy
 throughout: a loaded CI machine's scheduling would otherwise move power by more than the
-clocks do). Whole graphs are
-measured at their first call, stored, planned under a budget, and the plan runs with its
-clock switches; the next run measures nothing; without permission to lock clocks the
+clocks do). Whole graphs are measured on their first call's inputs, the step's together,
+stored, planned under a budget, and the plan runs with its clock switches; the next run
+measures nothing; without permission to lock clocks the
 overlap is planned at the default clock and a budget that needs clocks is refused with the
 reachable range; a rank slowed by 2 s is waited for."""
 
@@ -126,7 +126,9 @@ def test_an_energy_budget_is_planned_from_measured_graphs_and_the_plan_runs(tmp_
         assert rank["methods"] == {"nvml-multiplexed"}  # every point, multiplexed
         run = rank["energy"]
         assert run["measured"] > 0 and run["gpu_s"] > 0
-        assert any("whole graph measured at its first call" in n for n in run["notes"])
+        # the forward and the backward measured together, the ranks agreeing on them
+        assert any("whole graph measured on its first call's inputs with 1 other graph of "
+                   "the step" in n for n in run["notes"])
         assert any("checked in one 2 s window" in n for n in run["notes"])
         assert not any("cannot cost a whole graph" in n for n in run["notes"])
         locked = [args[-1] for name, *args in rank["setters"]

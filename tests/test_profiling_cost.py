@@ -1,6 +1,8 @@
 """benchmarks/profiling_cost.py on a tiny model: every measurement the device took is
 counted once, per graph, and its GPU-seconds are the protocol's for its run time and clock
-switch, as kareus's own GpuTime charged them; whole graphs are measured a clock at a time."""
+switch, as kareus's own GpuTime charged them; a team's graphs (the step's) are measured
+together, their partition searches side by side, then their whole graphs, a clock at a
+time."""
 
 from __future__ import annotations
 
@@ -31,53 +33,76 @@ def test_the_counted_measurements_add_up_to_what_kareus_charged(tmp_path):
     for g in graphs:
         for p in g["partitions"]:
             assert len(p["run_s"]) == p["measured"] <= p["evaluations"] <= 3
-        # the searches of a graph measure in rounds, one clock each (a batch), the clock
-        # switched between rounds only; each search is charged its share of a round
-        rounds: dict[int, tuple[int, list[float]]] = {}
-        for batch, clock, run_s, _search in g["partition_batches"]:
-            rounds.setdefault(batch, (clock, []))[1].append(run_s)
-        clocks = [clock for clock, _ in rounds.values()]
-        partition_s = sum(
-            Protocol().seconds_per_batch(runs, switched=i == 0 or clock != clocks[i - 1])
-            for i, (clock, runs) in enumerate(rounds.values()))
+        # each search is charged its share of the rounds it took part in
+        rounds = {batch for batch, _, _, _ in g["partition_batches"]}
         assert len(rounds) == g["partition_rounds"]
-        assert partition_s == pytest.approx(g["partition_gpu_s"])
-        assert partition_s == pytest.approx(sum(p["kareus_gpu_s"] for p in g["partitions"]))
+        assert g["partition_gpu_s"] == pytest.approx(sum(p["kareus_gpu_s"]
+                                                         for p in g["partitions"]))
         assert len(g["partition_batches"]) == sum(p["measured"] for p in g["partitions"])
         whole = g["whole_graph"]
         if "error" not in whole:
             assert len(whole["run_s"]) == whole["measured"] > 0
             assert whole["variants"]["unrewritten"] == 1
-        clocks = whole["clock_mhz"]
-        switched = [i == 0 or f != clocks[i - 1] for i, f in enumerate(clocks)]
-        assert g["whole_graph_clock_switches"] == sum(switched) <= len(clocks)
-        alone = sum(map(seconds, whole["run_s"], switched))
-        checked = sum(map(Protocol.seconds_per_check, whole["check_run_s"]))
         assert len(whole["check_run_s"]) <= 1  # the chosen point, once
-        batched = len(set(whole["batch"])) < len(whole["batch"])
-        assert g["gpu_s"] - partition_s - checked == (pytest.approx(alone) if not batched else
-                                            pytest.approx(g["whole_graph_gpu_s"] - checked))
-        assert not batched or g["whole_graph_gpu_s"] - checked < alone  # shared readings
-        assert g["gpu_s"] == pytest.approx(result["kareus_gpu_s"].get(g["label"], 0.0))
-        # replicas share the partition searches and each round's clocks, a slice each:
-        # the node waits for the longest, never longer than one replica measuring all
-        assert 0 < g["replicas_gpu_s"] <= g["gpu_s"] + 1e-9
         assert len(whole.get("round", [])) == len(whole["run_s"])
+        assert g["gpu_s"] == pytest.approx(result["kareus_gpu_s"].get(g["label"], 0.0))
+    # a team (the step's graphs sharing their collectives' groups) is measured together,
+    # its partition searches side by side, then its whole graphs, a round a clock at a
+    # time, each batch charged once and split among its graphs
+    by_label = {g["label"]: g for g in graphs}
+    assert sorted(label for t in result["teams"] for label in t["graphs"]) == sorted(by_label)
+    for team in result["teams"]:
+        members = [by_label[label] for label in team["graphs"]]
+        assert all(g["team"] == team["groups"] for g in members)
+        entries = sorted([(b, f, r, "partition") for g in members
+                          for b, f, r, _ in g["partition_batches"]]
+                         + [(b, f, r, "whole") for g in members for r, f, b in zip(
+                             g["whole_graph"]["run_s"], g["whole_graph"]["clock_mhz"],
+                             g["whole_graph"]["batch"], strict=True)])
+        batches: dict[int, tuple[int, str, list[float]]] = {}
+        for b, f, r, kind in entries:
+            batches.setdefault(b, (f, kind, []))[2].append(r)
+        clocks = [f for f, _, _ in batches.values()]
+        switched = [i == 0 or f != clocks[i - 1] for i, f in enumerate(clocks)]
+        batched = sum(Protocol().seconds_per_batch(runs, switched=s)
+                      for (_, _, runs), s in zip(batches.values(), switched, strict=True))
+        checked = sum(Protocol.seconds_per_check(r) for g in members
+                      for r in g["whole_graph"]["check_run_s"])
+        assert team["gpu_s"] == pytest.approx(batched + checked)
+        assert team["gpu_s"] == pytest.approx(sum(g["gpu_s"] for g in members))
+        assert team["clock_switches"] == sum(switched)
+        kinds = [kind for _, kind, _ in batches.values()]
+        assert (team["partition_batches"], team["whole_graph_batches"]) == (
+            kinds.count("partition"), kinds.count("whole"))
+        # the partitions first, then the whole graphs (they need the partitions' frontiers)
+        assert kinds == sorted(kinds, key=lambda kind: kind == "whole")
+        alone = sum(seconds(r) for _, _, r, _ in entries)  # each with its own readings
+        assert batched <= alone
+        if len(members) > 1:  # one batch holds several graphs' variants: shared readings
+            owners = {b: {g["label"] for g in members if b in g["whole_graph"]["batch"]
+                          or b in {e[0] for e in g["partition_batches"]}} for b in batches}
+            assert max(map(len, owners.values())) > 1 and batched < alone
+        searching = [g for g in members if g["partition_batches"]]
+        if len(searching) > 1:  # their partition searches side by side: shared rounds
+            assert len({b for g in searching for b, *_ in g["partition_batches"]}) < sum(
+                g["partition_rounds"] for g in searching)
+        # replicas claim slices of the searches and each round's clocks: never longer
+        # than one measuring all
+        assert 0 < team["replicas_node_s"] <= team["gpu_s"] + 1e-9
+        # a team without collectives runs on each rank alone: the node's ranks split it
+        assert (team["node_s"] < team["gpu_s"]) == (not team["groups"])
     assert totals["partition_evaluations"] > 0 and totals["whole_graph_measurements"] > 0
     assert totals["measurements"] == (totals["partition_evaluations"]
                                       + totals["whole_graph_measurements"] + totals["checks"])
     assert totals["checks"] > 0
     assert totals["gpu_s_per_rank"] == pytest.approx(sum(result["kareus_gpu_s"].values()))
-    # a graph without collectives runs on each rank alone: the node's ranks split it
-    alone = [g for g in graphs if not g["partitions"] and g["node_s"] < g["gpu_s"]]
-    assert alone and all(g["node_s"] == pytest.approx(g["gpu_s"]) for g in graphs
-                         if g not in alone and g["partitions"])
-    assert totals["node_s"] == pytest.approx(sum(g["node_s"] for g in graphs))
+    assert any(not t["groups"] for t in result["teams"])  # the embedding's backward
+    assert totals["node_s"] == pytest.approx(sum(t["node_s"] for t in result["teams"]))
     assert totals["gpu_minutes_per_node"] == pytest.approx(totals["node_s"] * 2 / 60)
     assert totals["gpu_minutes_per_node_with_replicas"] < totals["gpu_minutes_per_node"]
     assert totals["sampled_counter_gpu_s_per_rank"] > 10 * totals["gpu_s_per_rank"]
     whole = sum(g["whole_graph_measurements"] for g in graphs)
-    assert sum(g["whole_graph_clock_switches"] for g in graphs) < whole  # a clock at a time
+    assert totals["whole_graph_batches"] < whole  # a clock at a time
     assert totals["partition_rounds"] < totals["partition_evaluations"]  # and partitions
     # beside it, what it plans against profiling that costs nothing, in the same run
     quality = result["quality"]

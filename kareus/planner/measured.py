@@ -1,17 +1,33 @@
-"""A graph planned at its first call, where the device must run it to cost it (a real GPU).
+"""Graphs planned at their first call, where the device must run a graph to cost it (a
+real GPU).
 
 Such a graph has no frontier when it compiles, so it starts with the choice its options
-give. Its first call has its real inputs: its variants are measured then, on a copy of
-them (``profiler.graph_cost``), its frontier is made from the measurements and handed to
-the step planner like any other graph's, and the planner plans the step once its last
-graph is measured. Every graph runs the plan's choice from its next call on
+give, and its partitions are not searched yet. Its first call has its real inputs: they
+are copied, and once every graph of the step had its first call (every forward has its
+backward: ``step.complete``) the step's graphs are measured together: their partitions
+searched side by side (``profiler.graph.search_partitions``: a round at one clock holds
+every graph's proposals there), then their whole graphs on those copies
+(``profiler.graph_cost``: each round sets each clock once for all of them, one batch
+holding every graph's variants at it). Each graph's frontier is made from its
+measurements and handed to the step planner like any other graph's, and the planner
+plans the step. Every graph runs the plan's choice from its next call on
 (``runtime.selectable``). Random inputs would mis-cost a data-dependent graph (MoE
-routing, index ops); the first call's do not. The copy costs the memory of the graph's
-inputs once, while it is measured.
+routing, index ops); the first call's do not. The copies cost the memory of the step's
+graphs' inputs once (a layer's activations and weights per graph, not the model's),
+until the step is measured. Graphs first called later (an extra compile) are measured
+likewise, once every forward among them has its backward.
+
+Graphs are measured together where they share their collectives' groups (one team runs
+each batch; graphs without collectives are a team of their own, which the node's ranks
+split as data-parallel replicas do: ``replicas.Pool``), and every rank of the team must
+have the same graphs: the ranks agree on the set through the store
+(``runtime.agreement``) first; where they do not (one rank compiled another graph), each
+graph is measured alone, as its own team.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -26,13 +42,16 @@ from kareus.devices.base import Device, Workload
 from kareus.passes.analyse import GraphAnalysis
 from kareus.passes.decide import Choice, Decision
 from kareus.passes.ops import DEFAULT_CLOCK_MHZ
-from kareus.planner.step import StepPlanner
-from kareus.profiler.graph_cost import FAILURES, GraphMeasurer, MeasuredGraph
+from kareus.planner.step import StepPlanner, complete
+from kareus.profiler.exchange import ProfilingAborted
+from kareus.profiler.graph import search_partitions
+from kareus.profiler.graph_cost import FAILURES, GraphMeasurer, MeasuredGraph, Subject
 from kareus.profiler.interrupt import DeferredSignals
 from kareus.profiler.measure import GpuTime
-from kareus.profiler.profile import PartitionProfile, Settings
+from kareus.profiler.profile import PartitionProfile, Searched, Settings
 from kareus.profiler.progress import ProfilingProgress, make_console
 from kareus.profiler.store import ProfileStore
+from kareus.runtime.agreement import agree
 
 log = logging.getLogger("kareus")
 
@@ -54,9 +73,10 @@ class Reports(Protocol):
 
 @dataclass
 class FirstCallPlanning:
-    """What a graph's first call does before it runs: measure the graph's variants on its
-    inputs, and plan it (and the step, where it is the last). Where measuring fails (on any
-    rank of its team: they fail together) the graph is not planned and says why."""
+    """What a graph's first call does before it runs: hand its inputs to the step's first
+    calls (``calls``), which measure the step's graphs' variants together and plan them
+    once the step is known. Where measuring fails (on any rank of its team: they fail
+    together) the graph is not planned and says why."""
 
     analysis: GraphAnalysis
     profiles: tuple[PartitionProfile, ...]
@@ -70,17 +90,27 @@ class FirstCallPlanning:
     region: int
     compile_key: str
     world_size: int
+    calls: FirstCalls
+    searched: Searched
+    """Its partitions, to be searched once the step is known (``searched.counts``; none
+    where they were searched as it compiled, or are not)."""
 
     def __call__(self, args: Sequence[Any]) -> None:
-        label = self.analysis.label
-        shows = not dist.is_initialized() or dist.get_rank() == 0
-        copies: list[Any] = []  # made when a variant first runs: none where all is stored
+        self.calls.arrived(self, args)
+
+    @property
+    def groups(self) -> tuple[str, ...]:
+        """Its collectives' process groups: the graphs of one team share them."""
+        return tuple(sorted({c.group_name for c in self.analysis.collectives}))
+
+    def subject(self, copies: list[Any]) -> Subject:
+        """The graph to measure, its variants run on ``copies`` of its first call's inputs
+        (each compiled once, when it first runs: none where every one is stored)."""
         compiled: dict[tuple[int, tuple], Workload] = {}
+        label = self.analysis.label
 
         def workload(choice: Choice) -> Workload:
             key = (choice.nanobatches, choice.partitions)
-            if not copies:
-                copies.extend(_copy(a) for a in args)
             if key not in compiled:
                 _, graph = self.builder.graph(choice.at(DEFAULT_CLOCK_MHZ), clocked=False)
                 run = self.builder.lowered(graph, copies)
@@ -89,54 +119,148 @@ class FirstCallPlanning:
                                          world_size=self.world_size)
             return compiled[key]
 
-        with DeferredSignals() as signals:
-            try:
-                with ProfileStore(cache_dir=self.cache_dir) as store, \
-                        ProfilingProgress(shows) as progress:
-                    measurer = GraphMeasurer(
-                        self.analysis, workload, self.device, store, self.settings, self.spend,
-                        prefix=self.compile_key, progress=progress, stop=signals.stop,
-                    )
-                    measured = measurer.run(
-                        lambda cost: self.planner.explore(self.analysis, self.profiles, cost))
-            except FAILURES as exc:
-                why = f"not planned: measuring the whole graph failed: {type(exc).__name__}: {exc}"
-                self.spend.warn(label, why)
-                self.reports.update(label, notes_added=(why,),
-                                    profile_gpu_s=self.spend.by_graph.get(label, 0.0))
-                return
-            finally:
-                if self.device.controls_clocks:
-                    self.device.clock_controller().reset()
+        return Subject(self.analysis, workload, self.compile_key,
+                       lambda cost: self.planner.explore(self.analysis, self.profiles, cost))
+
+    def failed(self, exc: BaseException) -> None:
+        """Measuring failed: the graph is not planned, and its report says why."""
+        why = f"not planned: measuring the whole graph failed: {type(exc).__name__}: {exc}"
+        self.spend.warn(self.analysis.label, why)
+        self.reports.update(self.analysis.label, notes_added=(why,),
+                            profile_gpu_s=self.spend.by_graph.get(self.analysis.label, 0.0))
+
+    def plan(self, measured: MeasuredGraph, together: int) -> Choice | None:
+        """Plan the graph from its measurements (the step too, where it completes it): its
+        choice (None: not planned)."""
+        label = self.analysis.label
         replicas = (f", {measured.shared} taken by another data-parallel replica"
                     if measured.shared else "")
-        summary = (f"whole graph measured at its first call: {measured.measured} "
-                   f"measurements taken ({measured.gpu_s:.1f} GPU-s){replicas}, "
-                   f"{measured.reused} read from the store; {self.spend.describe(label)}")
-        if shows:
+        n = together - 1
+        others = f" with {n} other graph{'s' * (n > 1)} of the step" if n else ""
+        summary = (f"whole graph measured on its first call's inputs{others}: "
+                   f"{measured.measured} measurements taken ({measured.gpu_s:.1f} GPU-s)"
+                   f"{replicas}, {measured.reused} read from the store; "
+                   f"{self.spend.describe(label)}")
+        if _shows():
             make_console().print(f"kareus {label}: {summary}")
         choice, note = self.planner.choose(self.analysis, self.profiles, measured.cost,
                                            region=self.region, compile_key=self.compile_key)
-        checked = (None if choice is None or not measurer.ran  # once: where it was measured
-                   else _checked(measurer, choice, measured, self.device))
-        if checked is not None and shows:
-            make_console().print(f"kareus {label}: {checked}")
-        self.reports.update(label, notes_added=tuple(n for n in (summary, note, checked) if n),
+        self.reports.update(label, notes_added=tuple(n for n in (summary, note) if n),
                             profile_gpu_s=self.spend.by_graph.get(label, 0.0))
-        log.info("%s: measured at its first call; %s", label, note)
+        log.info("%s: measured on its first call's inputs; %s", label, note)
+        return choice
 
 
-def _checked(measurer: GraphMeasurer, choice: Choice, measured: MeasuredGraph,
+class FirstCalls:
+    """The step's graphs at their first calls, measured together once the step is known
+    (the module docstring)."""
+
+    def __init__(self, key: Callable[[str], str]) -> None:
+        """``key``: the agreement key of the n-th use of a name in this process, alike on
+        every rank (``agreement.CompileCounter.key``)."""
+        self.key = key
+        self.pending: list[tuple[FirstCallPlanning, list[Any]]] = []
+        self.seen: list[tuple[str, int]] = []  # every graph's (kind, region) that came
+
+    def arrived(self, first: FirstCallPlanning, args: Sequence[Any]) -> None:
+        """``first``'s graph is called for the first time on ``args``: copied, and the
+        step's graphs measured and planned where it completes the step (or, once it was
+        complete, at once)."""
+        self.pending.append((first, [_copy(a) for a in args]))
+        self.seen.append((first.analysis.kind, first.region))
+        if not complete(self.seen):
+            return
+        pending, self.pending = self.pending, []
+        teams: dict[tuple[str, ...], list[tuple[FirstCallPlanning, list[Any]]]] = {}
+        for f, copies in pending:  # teams in the order of their first graph: alike on ranks
+            teams.setdefault(f.groups, []).append((f, copies))
+        for groups, team in teams.items():
+            if len(team) == 1:
+                _measure(team)
+                continue
+            firsts = [f for f, _ in team]
+            keys = sorted(f.compile_key for f in firsts)
+            verdict = agree(self.key(f"graphs/{','.join(groups)}"), keys, groups,
+                            timeout_s=firsts[0].settings.timeout_s)
+            labels = ", ".join(f.analysis.label for f in firsts)
+            if verdict:
+                _measure(team)
+            elif verdict.timed_out:  # alone, each would wait for it again
+                for f in firsts:
+                    f.failed(ProfilingAborted(f"the step's graphs: {verdict.reason}"))
+            else:
+                log.warning("%s: measured one at a time: the ranks have different graphs to "
+                            "measure (%s)", labels, verdict.reason)
+                for one in team:
+                    _measure([one])
+
+
+def _measure(team: Sequence[tuple[FirstCallPlanning, list[Any]]]) -> None:
+    """The team's graphs measured together (ordered by compile key, alike on every rank),
+    then each planned and its chosen point checked."""
+    team = sorted(team, key=lambda t: t[0].compile_key)
+    firsts = [f for f, _ in team]
+    first = firsts[0]
+    prefix = _digest([f.compile_key for f in firsts])
+    searching = [f for f in firsts if f.searched.counts]
+    if searching:  # side by side: a round at one clock measures every graph's proposals
+        found = search_partitions([f.searched for f in searching], first.device,
+                                  first.cache_dir, first.settings, prefix=prefix,
+                                  spend=first.spend)
+        for f, profiles in zip(searching, found, strict=True):
+            f.profiles = profiles
+            f.reports.update(f.analysis.label, profiles=profiles,
+                             profile_gpu_s=f.spend.by_graph.get(f.analysis.label, 0.0))
+    with DeferredSignals() as signals:
+        try:
+            with ProfileStore(cache_dir=first.cache_dir) as store, \
+                    ProfilingProgress(_shows()) as progress:
+                measurer = GraphMeasurer(
+                    [f.subject(copies) for f, copies in team], first.device, store,
+                    first.settings, first.spend, prefix=prefix, progress=progress,
+                    stop=signals.stop,
+                )
+                measured = measurer.run()
+        except FAILURES as exc:
+            for f in firsts:
+                f.failed(exc)
+            return
+        finally:
+            if first.device.controls_clocks:
+                first.device.clock_controller().reset()
+    chosen = [f.plan(m, len(team)) for f, m in zip(firsts, measured, strict=True)]
+    # checked once every graph chose: the step's plan, where they completed it
+    for index, (f, m, choice) in enumerate(zip(firsts, measured, chosen, strict=True)):
+        planned = f.planner.planned(f.analysis.label) or choice
+        checked = (None if planned is None or not measurer.ran(index)  # where measured
+                   else _checked(measurer, index, planned, m, f.device))
+        if checked is not None:
+            if _shows():
+                make_console().print(f"kareus {f.analysis.label}: {checked}")
+            f.reports.update(f.analysis.label, notes_added=(checked,),
+                             profile_gpu_s=f.spend.by_graph.get(f.analysis.label, 0.0))
+
+
+def _shows() -> bool:
+    """Whether this rank prints (rank 0, or one process)."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _digest(keys: Sequence[str]) -> str:
+    return hashlib.sha256("\0".join(keys).encode()).hexdigest()[:16]
+
+
+def _checked(measurer: GraphMeasurer, index: int, choice: Choice, measured: MeasuredGraph,
              device: Device) -> str | None:
-    """``measurer.check``, under deferred signals, clocks reset after; a check that fails
-    leaves the plan as it is and says why."""
+    """``measurer.check`` of graph ``index``, under deferred signals, clocks reset after; a
+    check that fails leaves the plan as it is and says why."""
     with DeferredSignals() as signals:
         measurer.stop = signals.stop
         try:
-            return measurer.check(choice, measured)
+            return measurer.check(index, choice, measured)
         except FAILURES as exc:
             why = f"the chosen point's check failed: {type(exc).__name__}: {exc}"
-            log.warning("%s: %s", measurer.analysis.label, why)
+            log.warning("%s: %s", measurer.graphs[index].subject.analysis.label, why)
             return why
         finally:
             if device.controls_clocks:

@@ -49,6 +49,13 @@ class _Graph:
     groups: tuple[str, ...]  # the process groups of its collectives
 
 
+def complete(kinds: Sequence[tuple[str, int]]) -> bool:
+    """Whether graphs of these (kind, region) are a whole step: every forward has its
+    backward (an inference graph has none)."""
+    forwards = {r for k, r in kinds if k == "forward"}
+    return bool(kinds) and forwards == {r for k, r in kinds if k == "backward"}
+
+
 class StepPlanner:
     """The step's graphs as they compile (one per label, the last compiled), and its plan.
 
@@ -236,9 +243,14 @@ class StepPlanner:
 
     def complete(self) -> bool:
         """Whether the step is known: every forward has its backward."""
-        kinds = [(g.kind, g.region) for g in self._graphs.values()]
-        forwards = {r for k, r in kinds if k == "forward"}
-        return forwards == {r for k, r in kinds if k == "backward"} and bool(kinds)
+        return complete([(g.kind, g.region) for g in self._graphs.values()])
+
+    def planned(self, label: str) -> Choice | None:
+        """The step plan's choice for the graph ``label`` (None: no plan yet, or none for
+        it there)."""
+        if self.plan is None:
+            return None
+        return next((g.choice for g in self.plan.graphs if g.label == label), None)
 
     def graph_frontiers(self) -> dict[str, GraphFrontier]:
         """Every planned graph's frontier, by label."""

@@ -3,7 +3,9 @@
 The ranks of the graph's collectives first agree that they all profile and plan it alike,
 then every distinct partition is searched at each nanobatch count the plan may choose,
 side by side a clock at a time (``profile.profile_graph``), through the profile store,
-with progress and a summary on rank 0.
+with progress and a summary on rank 0. A graph planned at its first call (a device that
+must run it to cost it) is searched then instead, with the step's other graphs, side by
+side (:func:`search_partitions`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from kareus.devices.base import Device
 from kareus.passes.analyse import GraphAnalysis
 from kareus.profiler.interrupt import DeferredSignals
 from kareus.profiler.measure import GpuTime
-from kareus.profiler.profile import PartitionProfile, Settings, profile_graph
+from kareus.profiler.profile import PartitionProfile, Searched, Settings, profile_graphs
 from kareus.profiler.progress import ProfilingProgress, make_console, summary_table
 from kareus.profiler.store import ProfileStore
 from kareus.profiler.workloads import Lower
@@ -35,6 +37,9 @@ class GraphProfiles:
     profiles: tuple[PartitionProfile, ...] = ()
     planned: bool = False
     note: str | None = None
+    later: tuple[int, ...] = ()
+    """The counts its partitions are to be searched at, at its first call (``search``
+    False), with the step's other graphs (:func:`search_partitions`)."""
 
 
 def profile(
@@ -49,6 +54,7 @@ def profile(
     lower: Lower | None = None,
     communicators: Communicators | None = None,
     spend: GpuTime | None = None,
+    search: bool = True,
 ) -> GraphProfiles:
     """The frontiers of ``analysis``'s distinct partitions at each of ``counts`` (those of
     them above 1 that apply; none with ``settings.mode == "off"``), from the profile store
@@ -62,6 +68,8 @@ def profile(
     summary; the device's clocks are back at default afterwards, also after SIGINT or
     SIGTERM: the measuring stops, the clocks are reset, and only then does the signal act
     (``interrupt.DeferredSignals``). ``spend`` counts (and may cap) the GPU-seconds taken.
+    ``search`` False: the ranks agree now, and the searches are left for the graph's first
+    call (``GraphProfiles.later``).
     """
     spend = spend if spend is not None else GpuTime()
     searched = tuple(k for k in counts if k > 1 and k in analysis.space.nanobatches)
@@ -85,24 +93,37 @@ def profile(
         ))
     if not wants:
         return GraphProfiles((), planned)
+    if not search:
+        return GraphProfiles((), planned, later=searched)
+    (profiles,) = search_partitions([Searched(analysis, searched, lower, communicators)],
+                                    device, cache_dir, settings, prefix=compile_key, spend=spend)
+    return GraphProfiles(profiles, planned)
+
+
+def search_partitions(
+    graphs: Sequence[Searched], device: Device, cache_dir: Path | None, settings: Settings, *,
+    prefix: str, spend: GpuTime,
+) -> list[tuple[PartitionProfile, ...]]:
+    """The graphs' partitions searched side by side (``profile.profile_graphs``), through
+    the store, with progress and each graph's summary on rank 0; the clocks back at
+    default afterwards, also after SIGINT or SIGTERM (then the signal acts)."""
     shows = not dist.is_initialized() or dist.get_rank() == 0
-    profiles: tuple[PartitionProfile, ...] = ()
+    found: list[tuple[PartitionProfile, ...]] = [() for _ in graphs]
     with DeferredSignals() as signals:
         try:
             with ProfileStore(cache_dir=cache_dir) as store, ProfilingProgress(shows) as progress:
-                profiles = profile_graph(
-                    analysis, searched, device, store, settings, prefix=compile_key,
-                    progress=progress, lower=lower, communicators=communicators,
-                    stop=signals.stop, spend=spend,
-                )
+                found = profile_graphs(graphs, device, store, settings, prefix=prefix,
+                                       progress=progress, stop=signals.stop, spend=spend)
         finally:
             if device.controls_clocks:
                 device.clock_controller().reset()
-    if shows and profiles:
-        make_console().print(summary_table(
-            f"kareus {analysis.label}: partition frontiers on {device.identity} "
-            f"({spend.describe(analysis.label)})", profiles
-        ))
-    return GraphProfiles(profiles, planned)
+    for graph, profiles in zip(graphs, found, strict=True):
+        if shows and profiles:
+            label = graph.analysis.label
+            make_console().print(summary_table(
+                f"kareus {label}: partition frontiers on {device.identity} "
+                f"({spend.describe(label)})", profiles
+            ))
+    return found
 
 

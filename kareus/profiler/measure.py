@@ -1,6 +1,7 @@
 """The measurement protocol: how variants' time and energy are taken, and summed over a group.
 
-Two protocols, chosen by the device (``Device.estimates_error``):
+Two protocols, chosen by the device (``Device.estimates_error``; ranks measuring together
+agree on one: windows where any of them cannot multiplex, :func:`multiplexes`):
 
 - multiplexed, where the GPU's energy counter integrates power continuously (probed when
   the GPU is first measured on: ``devices.nvml.counter``): the variants of one clock run
@@ -218,11 +219,13 @@ def measure_variant(
     sleep: Callable[[float], None] = time.sleep,
     stop: threading.Event | None = None,
     spent: Callable[[float], None] = lambda seconds: None,
+    multiplex: bool | None = None,
 ) -> Measurement:
     """One variant on this rank's GPU under ``protocol``: the medians of its repeats. Once
     ``stop`` is set no repeat starts (``interrupt.ProfilingInterrupted``): each sets the
     clock, which must stay reset after an interrupt. ``spent`` is told the GPU-seconds it
-    took (see :class:`GpuTime`)."""
+    took (see :class:`GpuTime`). ``multiplex``: whether it is multiplexed, where the caller
+    agreed on it (None: :func:`multiplexes`, with the workload's ranks)."""
     def once() -> Measurement:
         check(stop)
         return device.measure(workload, clock_mhz, resources=resources)
@@ -233,12 +236,24 @@ def measure_variant(
         return m
     started = time.perf_counter()
     try:
-        if device.estimates_error and not resources:
+        multiplexed = (multiplexes(device, workload.agree) if multiplex is None
+                       else multiplex)
+        if multiplexed and not resources:
             check(stop)
             return device.measure_batch([workload], clock_mhz, workload.agree)[0]
         return _repeated(device, workload, clock_mhz, once, protocol, sleep)
     finally:
         spent(time.perf_counter() - started)
+
+
+def multiplexes(device: Device, agree: Callable[[int], int] | None) -> bool:
+    """Whether a measurement is multiplexed: where this rank's device estimates its errors
+    (its counter integrates) and, for ranks measuring together (``agree``), where every
+    one's does. Each rank probed its own counter, and one that could not tell measures in
+    windows; the others must too, or they would run their variants' collectives in other
+    orders and wait on each other until the timeout."""
+    mine = device.estimates_error
+    return mine if agree is None else not agree(int(not mine))
 
 
 def measure_batch(
@@ -255,7 +270,8 @@ def measure_batch(
     spent: Callable[[float], None] = lambda seconds: None,
 ) -> list[Measurement]:
     """Every one of ``workloads`` at one clock, in their order, under ``protocol``: together
-    (``Device.measure_batch``) where the device estimates its own errors, else each as
+    (``Device.measure_batch``) where the device estimates its own errors (every rank's
+    measuring together: :func:`multiplexes`), else each in windows, as
     :func:`measure_variant` would. ``agree`` is the batch's (ranks measuring together);
     ``resources``: each workload's SM caps, for a device that models them (one that
     realises them measures none: its caps are its communicators'); ``switched``: the clock
@@ -266,14 +282,15 @@ def measure_batch(
         found = device.measure_batch(workloads, clock_mhz, agree, caps)
         spent(protocol.seconds_per_batch([m.time_s for m in found], switched=switched))
         return found
-    if device.estimates_error:
+    if multiplexes(device, agree):
         started = time.perf_counter()
         try:
             return device.measure_batch(workloads, clock_mhz, agree, caps)
         finally:
             spent(time.perf_counter() - started)
     return [measure_variant(device, w if agree is None else replace(w, agree=agree), clock_mhz,
-                            resources=r, protocol=protocol, sleep=sleep, stop=stop, spent=spent)
+                            resources=r, protocol=protocol, sleep=sleep, stop=stop, spent=spent,
+                            multiplex=False)
             for w, r in zip(workloads, caps, strict=True)]
 
 

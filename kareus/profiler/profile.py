@@ -159,36 +159,80 @@ def profile_graph(
     once its cap is reached a leader measures nothing more: the searches in progress are
     given up (``measure.ProfileBudgetSpent``), and their partitions run at their earliest
     slot."""
-    if settings.mode == "off":
-        return ()
-    schedules: dict[str, list[tuple[int, list[tuple[PartitionChoices, Partition]]]]] = {}
-    for k in counts:
-        if k == 1 or k not in analysis.space.nanobatches:
-            continue
-        groups: dict[str, list[tuple[PartitionChoices, Partition]]] = {}
-        for choices, part in zip(
-            analysis.space.partitions(k), analysis.partitioning.partitions, strict=True
-        ):
-            if choices.launch_slots > 1:  # else its collective is not split: nothing overlaps
-                groups.setdefault(choices.key, []).append((choices, part))
-        for members in groups.values():
-            schedules.setdefault(members[0][0].group_name, []).append((k, members))
-    context = _Context(analysis, device, store, settings, lower, communicators, stop,
-                       spend or GpuTime())
+    (profiles,) = profile_graphs([Searched(analysis, tuple(counts), lower, communicators)],
+                                 device, store, settings, prefix=prefix, progress=progress,
+                                 stop=stop, spend=spend)
+    return profiles
 
-    def searches() -> tuple[PartitionProfile, ...]:
-        return tuple(
-            profile
-            for index, (group, members) in enumerate(schedules.items())
-            for profile in _Schedule(context, group, f"{prefix}/g{index}", members).run(progress)
-        )
+
+@dataclass(frozen=True)
+class Searched:
+    """A graph whose partitions are searched: at which counts, and how its variants are
+    compiled and capped (``profile_graph``'s ``lower`` and ``communicators``)."""
+
+    analysis: GraphAnalysis
+    counts: tuple[int, ...]
+    lower: Lower | None = None
+    communicators: Communicators | None = None
+
+
+def profile_graphs(
+    graphs: Sequence[Searched],
+    device: Device,
+    store: ProfileStore,
+    settings: Settings,
+    *,
+    prefix: str,
+    progress: Progress | None = None,
+    stop: threading.Event | None = None,
+    spend: GpuTime | None = None,
+) -> list[tuple[PartitionProfile, ...]]:
+    """``profile_graph`` of several graphs at once, each graph's profiles in its place: the
+    searches of all of them whose collectives share a process group run side by side, so a
+    round at one clock measures every graph's proposals there (a step's graphs on a real
+    GPU, once all had their first call: ``planner.measured``). ``prefix`` names this set of
+    graphs identically on every rank that searches it."""
+    if settings.mode == "off":
+        return [() for _ in graphs]
+    spend = spend or GpuTime()
+    # a partition two graphs hold (the same key and count) is searched once: the second
+    # graph's search waits for a later wave, and reads the first's from the store
+    waves: list[dict[str, list[tuple[int, _Context, int, list]]]] = [{}, {}]
+    first: set[tuple[str, int]] = set()
+    for g, graph in enumerate(graphs):
+        analysis = graph.analysis
+        context = _Context(analysis, device, store, settings, graph.lower,
+                           graph.communicators, stop, spend)
+        for k in graph.counts:
+            if k == 1 or k not in analysis.space.nanobatches:
+                continue
+            groups: dict[str, list[tuple[PartitionChoices, Partition]]] = {}
+            for choices, part in zip(
+                analysis.space.partitions(k), analysis.partitioning.partitions, strict=True
+            ):
+                if choices.launch_slots > 1:  # else its collective is not split: no overlap
+                    groups.setdefault(choices.key, []).append((choices, part))
+            for key, members in groups.items():
+                wave = waves[(key, k) in first]
+                first.add((key, k))
+                wave.setdefault(members[0][0].group_name, []).append((g, context, k, members))
+
+    def searches() -> list[tuple[PartitionProfile, ...]]:
+        found: list[list[PartitionProfile]] = [[] for _ in graphs]
+        for w, wave in enumerate(waves):
+            for index, (group, members) in enumerate(wave.items()):
+                schedule = _Schedule(group, f"{prefix}/w{w}g{index}",
+                                     [(context, k, parts) for _, context, k, parts in members])
+                for (g, *_), profile in zip(members, schedule.run(progress), strict=True):
+                    found[g].append(profile)
+        return [tuple(profiles) for profiles in found]
 
     return _outside_the_compile(searches)
 
 
 def _outside_the_compile(
-    searches: Callable[[], tuple[PartitionProfile, ...]],
-) -> tuple[PartitionProfile, ...]:
+    searches: Callable[[], list[tuple[PartitionProfile, ...]]],
+) -> list[tuple[PartitionProfile, ...]]:
     """Run ``searches`` on a thread of its own, and wait for it.
 
     The compiling thread carries the compile's thread-local state (dispatch modes, the
@@ -199,7 +243,7 @@ def _outside_the_compile(
     The searches use the caller's store: one thread uses it at a time, since the caller
     waits, and one store per graph finds a locked file (and says so) once, not per count.
     """
-    result: list[tuple[PartitionProfile, ...]] = []
+    result: list[list[tuple[PartitionProfile, ...]]] = []
     failure: list[BaseException] = []
 
     def run() -> None:
@@ -220,7 +264,8 @@ def _outside_the_compile(
 
 @dataclass(frozen=True)
 class _Context:
-    """What every search of one graph's profiling shares."""
+    """What every search of one graph's profiling shares (of several graphs': all but the
+    graph, its lowering and its communicators)."""
 
     analysis: GraphAnalysis
     device: Device
@@ -233,17 +278,18 @@ class _Context:
 
 
 class _Schedule:
-    """The searches of one graph whose collectives share a process group, run side by
-    side on this rank (leading or following their team): one round per clock."""
+    """The searches (of one graph, or of several: each with its graph's context) whose
+    collectives share a process group, run side by side on this rank (leading or following
+    their team): one round per clock."""
 
     def __init__(
-        self, context: _Context, group: str, prefix: str,
-        members: list[tuple[int, list[tuple[PartitionChoices, Partition]]]],
+        self, group: str, prefix: str,
+        members: list[tuple[_Context, int, list[tuple[PartitionChoices, Partition]]]],
     ) -> None:
-        self.context = context
+        self.context = context = members[0][0]  # the device, store and settings: all's
         self.team = Team.of_group(group, f"kareus/profile/{prefix}", context.settings.timeout_s,
                                   context.stop, decode=_decode)
-        self.searches = [_Search(context, k, parts, self.team.group_size) for k, parts in members]
+        self.searches = [_Search(c, k, parts, self.team.group_size) for c, k, parts in members]
         self.step = 0
         self._clock: int | None = None
 

@@ -105,6 +105,8 @@ class Verdict:
     """True: every participant proposed the same decision; run it."""
     reason: str | None
     """Why not (None when agreed)."""
+    timed_out: bool = False
+    """Not agreed because a participant did not come in time (else it decided otherwise)."""
 
     def __bool__(self) -> bool:
         return self.agreed
@@ -309,7 +311,7 @@ def _adopt(
         raise UnreadableVerdictError(f"unreadable verdict {value!r} under {prefix}")
     (log.debug if quiet else log.info)(
         "%s: %s%s; falling back", prefix, payload, " (verdict reused)" if sticky else "")
-    return Verdict(False, payload)
+    return Verdict(False, payload, timed_out=kind == "timeout")
 
 
 def _text(value: bytes | str) -> str:

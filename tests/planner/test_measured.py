@@ -12,8 +12,10 @@ from test_step import _train as train_step
 
 import kareus
 from kareus.devices import SimulatedGPU
+from kareus.planner import measured as measured_module
 from kareus.planner.budget import BudgetError
 from kareus.profiler import measure
+from kareus.runtime.agreement import Verdict
 
 
 class MeasuredOnly(SimulatedGPU):
@@ -87,7 +89,9 @@ def test_a_time_budget_is_planned_from_first_call_measurements_and_met(fake_pg, 
     reports = {r.label: r for r in backend.reports()}
     for report in reports.values():
         assert report.profile_gpu_s > 0
-        assert any("whole graph measured at its first call" in n for n in report.notes)
+        # measured with the step's other graph, once both had their first call
+        assert any("whole graph measured on its first call's inputs with 1 other graph of "
+                   "the step" in n for n in report.notes)
         # the chosen point, measured again in a long window (a model answers alike: what
         # moved is the prediction, where the point lies between measured clocks)
         (moved,) = [re.search(r"checked in one 2 s window: time ([-+][\d.]+)%, energy "
@@ -101,6 +105,45 @@ def test_a_time_budget_is_planned_from_first_call_measurements_and_met(fake_pg, 
     assert again.planner.plan.predicted == plan.predicted
 
 
+def test_ranks_with_other_graphs_to_measure_measure_each_graph_alone(fake_pg, tmp_path,
+                                                                    monkeypatch, caplog):
+    """Where the ranks of a team do not agree on the step's graphs (one compiled another),
+    each graph is measured as its own team, as at its first call, and the step is still
+    planned."""
+    asked = []
+
+    def disagree(key, keys, groups, *, timeout_s):
+        asked.append(keys)
+        return Verdict(False, "rank 1 has other graphs (a test)")
+
+    monkeypatch.setattr(measured_module, "agree", disagree)
+    with caplog.at_level(logging.WARNING, logger="kareus"):
+        backend, _, _ = _train(MeasuredOnly(), {"time_budget": "1.4 ms",
+                                                "cache_dir": str(tmp_path)})
+    assert len(asked) == 1 and len(asked[0]) == 2  # the forward's and the backward's keys
+    assert any("measured one at a time: the ranks have different graphs to measure (rank 1 "
+               "has other graphs (a test))" in r.getMessage() for r in caplog.records)
+    assert backend.planner.plan is not None
+    for report in backend.reports():
+        assert any(n.startswith("whole graph measured on its first call's inputs: ")
+                   for n in report.notes)  # alone
+
+
+def test_a_rank_that_never_comes_to_the_step_s_measuring_leaves_it_unplanned_at_once(
+        fake_pg, tmp_path, monkeypatch, measured):
+    """Where a rank of the team did not come within the timeout, the step's graphs are not
+    planned, and none waits for it again, alone."""
+    def missing(key, keys, groups, *, timeout_s):
+        return Verdict(False, "rank(s) [1] did not arrive within 60 s", timed_out=True)
+
+    monkeypatch.setattr(measured_module, "agree", missing)
+    backend, _, _ = _train(MeasuredOnly(), {"cache_dir": str(tmp_path)})
+    assert backend.planner.plan is None and not measured and backend.spend.total_s == 0
+    for report in backend.reports():
+        assert "not planned: measuring the whole graph failed: ProfilingAborted: the step's " \
+               "graphs: rank(s) [1] did not arrive within 60 s" in report.notes
+
+
 def test_a_spent_profiling_budget_stops_measuring_and_the_graphs_run_unplanned(
         fake_pg_numbers, tmp_path, measured, caplog):
     options = {"cache_dir": str(tmp_path), "profile_budget_s": 2}
@@ -110,8 +153,10 @@ def test_a_spent_profiling_budget_stops_measuring_and_the_graphs_run_unplanned(
     assert len(spent) > 1  # every partition and graph after the budget says why...
     assert [r.levelno for r in spent].count(logging.WARNING) == 1  # ...and one warns
     assert backend.planner.plan is None  # nothing planned
-    # the round in progress when the budget ran out finishes: here the first, 4 GPU-s
-    assert 2 <= backend.spend.total_s < 5 and not measured
+    # the round in progress when the budget ran out finishes: here the first, the forward's
+    # and the backward's partition searches side by side, 9 GPU-s
+    assert 2 <= backend.spend.total_s < 10 and not measured
+    assert set(backend.spend.by_graph) == {r.label for r in backend.reports()}
     notes = [n for r in backend.reports() for n in r.notes]
     assert any("not planned: measuring the whole graph failed: ProfileBudgetSpent: the "
                "profiling budget of 2 GPU-s is spent" in n for n in notes)

@@ -4,10 +4,13 @@ clock measured where the check fails; the first ask's variants measured there to
 batch per clock, every measurement kept in the
 store, the profiling budget."""
 
+import itertools
 import math
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from conftest import analysed, tp_llama
 
 from kareus.codegen.apply import apply
@@ -18,6 +21,8 @@ from kareus.planner.graph import graph_frontier
 from kareus.profiler import graph_cost
 from kareus.profiler.graph_cost import (
     GraphMeasurer,
+    MixedTeamsError,
+    Subject,
     grid,
     held_back_clock,
     measured_clocks,
@@ -53,6 +58,11 @@ def test_a_missed_held_back_clock_joins_the_grid_and_the_next_gap_is_checked():
     assert grid(clocks, lambda f: None) == (9, 8, 5, 1)  # nothing measured yet
 
 
+def subject(analysis, workload, gpu, key="fw"):
+    return Subject(analysis, workload, key,
+                   lambda cost: graph_frontier(analysis, (), (1, 2), gpu.search_clocks(), cost))
+
+
 @pytest.fixture
 def graph(fake_pg):
     (g, analysis), _ = analysed(tp_llama(1), torch.randint(0, 256, (8, 16)))
@@ -65,10 +75,10 @@ def graph(fake_pg):
                         world_size=2)
 
     def measure(store, spend=None):
-        measurer = GraphMeasurer(analysis, workload, gpu, store, Settings(), spend or GpuTime(),
-                                 prefix="fw")
-        return measurer.run(lambda cost: graph_frontier(
-            analysis, (), (1, 2), gpu.search_clocks(), cost))
+        measurer = GraphMeasurer([subject(analysis, workload, gpu)], gpu, store, Settings(),
+                                 spend or GpuTime(), prefix="fw")
+        (measured,) = measurer.run()
+        return measured
 
     return g, analysis, gpu, measure, built
 
@@ -155,9 +165,8 @@ def test_a_gpu_whose_checks_all_miss_is_measured_at_every_clock_and_settles(fake
                         world_size=2)
 
     with ProfileStore(cache_dir=tmp_path) as store:
-        measured = GraphMeasurer(analysis, workload, gpu, store, Settings(), GpuTime(),
-                                 prefix="fw").run(
-            lambda cost: graph_frontier(analysis, (), (1, 2), clocks, cost))
+        (measured,) = GraphMeasurer([subject(analysis, workload, gpu)], gpu, store, Settings(),
+                                    GpuTime(), prefix="fw").run()
     # one held-back clock joins the grid a round, until every clock is measured, and the
     # exploration settles (its bound allows a round per clock)
     assert measured.grid == tuple(clocks)
@@ -166,3 +175,68 @@ def test_a_gpu_whose_checks_all_miss_is_measured_at_every_clock_and_settles(fake
     first = held_back_clock(clocks)
     assert [b for b in batches if b[0] == first] == [(first, 2)]
     assert len(batches) < 2 * len(clocks)
+
+
+def test_a_step_s_graphs_measured_together_share_each_clock_s_batch(fake_pg, tmp_path,
+                                                                    monkeypatch):
+    """The forward and the backward measured together: each round sets each clock once
+    for both (one batch holding both graphs' variants), and each graph gets what it gets
+    measured alone."""
+    graphs = analysed(tp_llama(1), torch.randint(0, 256, (8, 16)))
+    gpu = SimulatedGPU("sim:h200")
+    batches = []
+    measure = graph_cost.measure_batch
+
+    def logged(device, workloads, clock_mhz, **kwargs):
+        batches.append((clock_mhz, sorted({w.name.split(" ")[0] for w in workloads})))
+        return measure(device, workloads, clock_mhz, **kwargs)
+
+    monkeypatch.setattr(graph_cost, "measure_batch", logged)
+    subjects = []
+    for g, analysis in graphs:
+        def workload(choice, g=g, analysis=analysis):
+            return Workload(f"{analysis.label} {choice}",
+                            gm=apply(g.gm, analysis, choice, clocked=False), world_size=2)
+
+        subjects.append(subject(analysis, workload, gpu, key=analysis.label))
+
+    alone, counts = [], []
+    for i, s in enumerate(subjects):
+        batches.clear()
+        with ProfileStore(cache_dir=tmp_path / f"alone{i}") as store:
+            (m,) = GraphMeasurer([s], gpu, store, Settings(), GpuTime(), prefix=s.key).run()
+        alone.append(m)
+        counts.append(len(batches))
+    batches.clear()
+    with ProfileStore(cache_dir=tmp_path / "together") as store:
+        together = GraphMeasurer(subjects, gpu, store, Settings(), GpuTime(),
+                                 prefix="step").run()
+    assert [m.measurements for m in together] == [m.measurements for m in alone]
+    assert all(m.measured == len(m.measurements) > 0 for m in together)
+    assert max(counts) <= len(batches) < sum(counts)
+    assert ["backward", "forward"] in [names for _, names in batches]
+    # one batch per clock of a round: never two batches in a row at one clock
+    assert all(a[0] != b[0] for a, b in itertools.pairwise(batches))
+
+
+class Reduce(torch.nn.Module):
+    def __init__(self, group):
+        super().__init__()
+        self.group = group
+
+    def forward(self, x):
+        return funcol.all_reduce(2 * x, "sum", self.group)
+
+
+def test_graphs_whose_collectives_span_other_groups_are_not_measured_together(fake_pg,
+                                                                              tmp_path):
+    gpu = SimulatedGPU("sim:h200")
+    ((_, one),) = analysed(Reduce(dist.new_group([0, 1])), torch.randn(4, 4), backward=False)
+    ((_, other),) = analysed(Reduce(dist.new_group([0, 1])), torch.randn(4, 4),
+                             backward=False)
+    (_, free), _ = analysed(torch.nn.Linear(4, 4), torch.randn(2, 4))
+    with ProfileStore(cache_dir=tmp_path) as store:
+        for pair in ((one, other), (one, free)):
+            with pytest.raises(MixedTeamsError, match="share their"):
+                GraphMeasurer([subject(a, None, gpu, key=str(i)) for i, a in enumerate(pair)],
+                              gpu, store, Settings(), GpuTime(), prefix="step")

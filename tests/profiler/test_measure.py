@@ -167,7 +167,31 @@ def test_ranks_measuring_together_repeat_alike():
 
     def agree(more):
         asked.append(more)
-        return 1 if len(asked) <= 4 else 0
+        return 1 if len(asked) <= 5 else 0
 
     measure_variant(gpu, Workload("w", agree=agree), 1410)
-    assert gpu.calls == 5 and asked == [1, 1, 0, 0, 0]
+    # first the protocol (1: this rank measures in windows), then each repeat
+    assert gpu.calls == 5 and asked == [1, 1, 1, 0, 0, 0]
+
+
+def test_ranks_measuring_together_use_one_protocol(monkeypatch):
+    """This rank's counter integrates, another rank's probe could not tell: the batch is
+    measured in windows here too (multiplexed, the ranks would run their variants'
+    collectives in other orders and wait on each other)."""
+    gpu = Scripted([(1.0, 10.0)] * 6)
+    monkeypatch.setattr(type(gpu), "estimates_error", property(lambda self: True))
+    batches = []
+    monkeypatch.setattr(gpu, "measure_batch", lambda ws, clock, agree=None, caps=None: (
+        batches.append(len(ws)) or [Measurement(1.0, 2.0, 0.0, clock, "mux")] * len(ws)))
+    asked = []
+
+    def windows_elsewhere(count):  # the other rank proposes 1 to the protocol's question
+        asked.append(count)
+        return 1 if len(asked) == 1 else count
+
+    found = measure_batch(gpu, [W, W], 1410, agree=windows_elsewhere)
+    assert batches == [] and asked[0] == 0  # this rank could multiplex, and did not
+    assert [m.method for m in found] != ["mux", "mux"] and gpu.calls == 6
+    # where every rank's counter integrates, the batch is multiplexed
+    assert [m.method for m in measure_batch(gpu, [W, W], 1410, agree=lambda c: c)] == [
+        "mux", "mux"] and batches == [2]

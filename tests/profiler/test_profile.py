@@ -391,3 +391,40 @@ def test_a_partition_whose_variant_cannot_be_built_is_given_up_alone(graphs, tmp
     assert not failed[0].frontier and failed[0].stopped == "failed"
     others = [p for p in profiles if p.error is None]
     assert others and all(p.frontier and p.evaluations == 4 for p in others)
+
+
+def test_graphs_searched_together_share_rounds_and_find_what_each_finds_alone(
+        graphs, tmp_path, monkeypatch):
+    """A step's graphs searched side by side (as on a real GPU at their first calls): a
+    round at one clock holds every graph's proposals there, each search finds what it finds
+    alone, and a partition two graphs hold is searched once (the second reads it back)."""
+    rounds = []
+    measure = profiling.measure_batch
+
+    def counting(device, workloads, clock_mhz, **kwargs):
+        rounds.append(clock_mhz)
+        return measure(device, workloads, clock_mhz, **kwargs)
+
+    monkeypatch.setattr(profiling, "measure_batch", counting)
+    gpu, settings = SimulatedGPU(GPU), Settings(budget=6)
+    alone = []
+    for i, a in enumerate(graphs):
+        with ProfileStore(cache_dir=tmp_path / f"alone{i}") as store:
+            alone.append(profile_graph(a, (2,), gpu, store, settings, prefix=a.label))
+    separate = len(rounds)
+    rounds.clear()
+    searched = [profiling.Searched(a, (2,)) for a in graphs]
+    with ProfileStore(cache_dir=tmp_path / "together") as store:
+        together = profiling.profile_graphs(searched, gpu, store, settings, prefix="step")
+    assert [[p.frontier for p in ps] for ps in together] == [[p.frontier for p in ps]
+                                                              for ps in alone]
+    assert [[p.measured for p in ps] for ps in together] == [[p.measured for p in ps]
+                                                              for ps in alone]
+    assert len(rounds) < separate
+    # the same graph twice: its partitions searched once, the second time read back
+    rounds.clear()
+    with ProfileStore(cache_dir=tmp_path / "twice") as store:
+        first, second = profiling.profile_graphs(searched[:1] * 2, gpu, store, settings,
+                                                 prefix="twice")
+    assert [p.frontier for p in first] == [p.frontier for p in second]
+    assert sum(p.measured for p in first) > 0 and sum(p.measured for p in second) == 0

@@ -337,4 +337,4 @@ def test_stages_on_a_device_that_must_run_graphs_are_measured_then_planned_as_on
     results = _run(tmp_path, case={"measured": True}, time_budget=1.0)
     _check_plan(results, "1f1b")
     for r in results:
-        assert any("whole graph measured at its first call" in n for n in r["notes"])
+        assert any("whole graph measured on its first call's inputs" in n for n in r["notes"])
