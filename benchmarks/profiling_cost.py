@@ -369,7 +369,8 @@ def count(
                   for r in backend.reports()}
         _whole_graphs(deferred, gpu, graphs)  # the partitions searched there too
         _partition_counts(backend.reports(), gpu.log, search_budget, graphs)
-        _assign_teams(deferred, graphs)
+        for first in deferred:  # measured together: the graphs whose collectives' groups
+            graphs[first.analysis.label].team = first.groups  # are alike (FirstCalls)
         planned = _true_frontiers(deferred, gpu)
     protocol = backend.protocol
     teams = _teams(list(graphs.values()))
@@ -652,29 +653,6 @@ def _whole_graphs(deferred: Sequence[FirstCallPlanning], gpu: MeasuringGPU,
                       "batch": [e.batch for e in taken],
                       "round": [bisect.bisect_right(rounds, e.batch) - 1 for e in taken],
                       "check_run_s": checks}
-
-
-def _assign_teams(deferred: Sequence[FirstCallPlanning], graphs: dict[str, GraphCount]
-                  ) -> None:
-    """Each graph's team, as measured: graphs that shared a batch, with their collectives'
-    groups."""
-    team_of = {first.analysis.label: first.analysis.label for first in deferred}
-
-    def root(label: str) -> str:
-        while team_of[label] != label:
-            label = team_of[label]
-        return label
-
-    by_batch: dict[int, str] = {}
-    for first in deferred:
-        label = first.analysis.label
-        for _, _, batch, _ in graphs[label].entries():
-            team_of[root(label)] = root(by_batch.setdefault(batch, label))
-    groups: dict[str, set[str]] = {}
-    for first in deferred:
-        groups.setdefault(root(first.analysis.label), set()).update(first.groups)
-    for first in deferred:
-        graphs[first.analysis.label].team = tuple(sorted(groups[root(first.analysis.label)]))
 
 
 def _unrewritten_s(first: FirstCallPlanning, gpu: MeasuringGPU) -> list[float]:

@@ -27,7 +27,6 @@ graph is measured alone, as its own team.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -50,6 +49,7 @@ from kareus.profiler.interrupt import DeferredSignals
 from kareus.profiler.measure import GpuTime
 from kareus.profiler.profile import PartitionProfile, Searched, Settings
 from kareus.profiler.progress import ProfilingProgress, make_console
+from kareus.profiler.replicas import digest
 from kareus.profiler.store import ProfileStore
 from kareus.runtime.agreement import agree
 
@@ -182,7 +182,6 @@ class FirstCalls:
             keys = sorted(f.compile_key for f in firsts)
             verdict = agree(self.key(f"graphs/{','.join(groups)}"), keys, groups,
                             timeout_s=firsts[0].settings.timeout_s)
-            labels = ", ".join(f.analysis.label for f in firsts)
             if verdict:
                 _measure(team)
             elif verdict.timed_out:  # alone, each would wait for it again
@@ -190,7 +189,8 @@ class FirstCalls:
                     f.failed(ProfilingAborted(f"the step's graphs: {verdict.reason}"))
             else:
                 log.warning("%s: measured one at a time: the ranks have different graphs to "
-                            "measure (%s)", labels, verdict.reason)
+                            "measure (%s)", ", ".join(f.analysis.label for f in firsts),
+                            verdict.reason)
                 for one in team:
                     _measure([one])
 
@@ -201,7 +201,7 @@ def _measure(team: Sequence[tuple[FirstCallPlanning, list[Any]]]) -> None:
     team = sorted(team, key=lambda t: t[0].compile_key)
     firsts = [f for f, _ in team]
     first = firsts[0]
-    prefix = _digest([f.compile_key for f in firsts])
+    prefix = digest([f.compile_key for f in firsts])
     searching = [f for f in firsts if f.searched.counts]
     if searching:  # side by side: a round at one clock measures every graph's proposals
         found = search_partitions([f.searched for f in searching], first.device,
@@ -244,10 +244,6 @@ def _measure(team: Sequence[tuple[FirstCallPlanning, list[Any]]]) -> None:
 def _shows() -> bool:
     """Whether this rank prints (rank 0, or one process)."""
     return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def _digest(keys: Sequence[str]) -> str:
-    return hashlib.sha256("\0".join(keys).encode()).hexdigest()[:16]
 
 
 def _checked(measurer: GraphMeasurer, index: int, choice: Choice, measured: MeasuredGraph,

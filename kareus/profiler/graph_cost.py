@@ -430,8 +430,7 @@ class GraphMeasurer:
             if not shared.here:  # another replica measured them
                 self._adopt(_read(shared.posted))
         if self.progress is not None:
-            for graph in {self.graphs[i.graph].label: self.graphs[i.graph]
-                          for i in items}.values():
+            for graph in (self.graphs[g] for g in dict.fromkeys(i.graph for i in items)):
                 done = len(graph.measurements)
                 self.progress(graph.label, done, done,
                               [Point.of(c, x) for c, x in graph.measurements.items()])

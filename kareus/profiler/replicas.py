@@ -79,7 +79,8 @@ def deal(weights: Sequence[float], slices: int) -> list[list[int]]:
 
 
 def digest(parts: Sequence[str]) -> str:
-    """A pool's name from what its searches are (each search's profile key and settings)."""
+    """A rank-invariant name from ``parts``: a pool's from what its searches are (each
+    search's profile key and settings), a team's from its graphs' compile keys."""
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
 
 
