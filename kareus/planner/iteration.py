@@ -9,7 +9,8 @@ spaced time limits, exact or with their gap stated: ``planner.pipeline_large``).
 frontier keeps the baseline, so no plan is worse than doing nothing; Perseus's and
 Nanobatching + Perseus's are solved side by side, then kareus's weighing their plans too
 (their choices are kareus choices), so a time-limited solve never leaves kareus's
-frontier above theirs.
+frontier above theirs. Methods with equal options (nanobatching that pays nowhere) are one
+program, solved once.
 """
 
 from __future__ import annotations
@@ -91,15 +92,20 @@ def plan_iteration(
         # The baselines' solves side by side, then kareus's weighing their plans (their
         # choices are kareus's too: unrewritten or nanobatched graphs at a clock), as
         # it weighs the baseline's; so none found under a time limit stands worse.
-        others = [m for m in methods if m != "kareus"]
+        # A method whose options are another's (nanobatching that pays nowhere) gets
+        # that method's frontier: the same program is not solved twice.
+        same = _same_options(options, methods)
+        others = [m for m in methods if m != "kareus" and same[m] == m]
         found = side_by_side([functools.partial(
             pipeline_frontier, dag, options[method], model=model, points=points,
             max_solve_s=max_solve_s, best_found=best_found) for method in others])
         frontiers |= {m: pareto([*f, base]) for m, f in zip(others, found)}
-        known = [base, *(p for m in others for p in frontiers[m])]
-        frontiers["kareus"] = pareto([*pipeline_frontier(
-            dag, options["kareus"], model=model, points=points, max_solve_s=max_solve_s,
-            best_found=best_found, known=known), base])
+        if same["kareus"] == "kareus":
+            known = [base, *(p for m in others for p in frontiers[m])]
+            frontiers["kareus"] = pareto([*pipeline_frontier(
+                dag, options["kareus"], model=model, points=points, max_solve_s=max_solve_s,
+                best_found=best_found, known=known), base])
+        frontiers |= {m: list(frontiers[same[m]]) for m in methods if same[m] != m}
     kareus = full.get("kareus", frontiers["kareus"])
     if budget.kind != "fastest" and dag.stages > 1:  # the fastest is the frontier's first
         # The exact plan the budget asks for, not only the frontier's points' best.
@@ -109,6 +115,16 @@ def plan_iteration(
                              known=[p for f in frontiers.values() for p in f])
         kareus = sorted({*kareus, exact}, key=lambda p: (p.time_s, p.energy_j))
     return IterationPlan(frontiers, choose(kareus, base, budget, max_power_w))
+
+
+def _same_options(options: Mapping[str, Options], methods: Sequence[str]) -> dict[str, str]:
+    """Each method's first method (in ``methods``' order) with options equal to its own
+    (itself where none before has)."""
+    same: dict[str, str] = {}
+    for method in methods:
+        same[method] = next((m for m in same if same[m] == m and options[m] == options[method]),
+                            method)
+    return same
 
 
 def chain_frontier(

@@ -31,7 +31,7 @@ Up to ``pipeline_large.EXACT_INSTRUCTIONS`` instructions the planner is exact: a
 mixed-integer linear program solved by HiGHS (``scipy.optimize.milp``) to a zero gap.
 Larger DAGs (a 70B model at 16 stages x 64 microbatches has 2048 instructions, where the
 program's relaxation alone takes a minute) are planned by ``planner.pipeline_large``: a
-program of shared options and the plans found before, every plan's gap proven against
+program of shared options and the plans found before, lowered by a descent, every plan's gap proven against
 bounds and stated (``PipelinePoint.gap``). Binaries x[i, o] pick one option per
 instruction; start times s_i and T are continuous; between consecutive instructions i -> j
 of a rank the switch is a transport w[a, b] >= 0 from i's clock a to j's clock b
@@ -83,6 +83,7 @@ from kareus.errors import KareusError
 from kareus.interrupts import raise_if_interrupted
 from kareus.planner.budget import Budget, BudgetError, asked, limit_of
 from kareus.planner.compose import FrontierPoint, Switch, clock_of, fronts_by
+from kareus.planner.pipeline_descent import Timing, descend
 from kareus.planner.pipeline_large import (
     EXACT_INSTRUCTIONS,
     GAP,
@@ -770,7 +771,8 @@ class _Solver:
         return LargeParts(relaxation, shared,
                           _evaluate(self.dag, model, list(map(quickest, self.options))),
                           RankBound(self.dag, self.options, model),
-                          switch_floor(self.dag, self.options, model))
+                          switch_floor(self.dag, self.options, model),
+                          Timing(self.dag, self.options, model))
 
     def _build(self) -> None:
         dag, model, tau = self.dag, self.model, self.time_unit
@@ -955,19 +957,42 @@ class _Solver:
                  and (limit_j is None or p.energy_j <= limit_j)]
         found += [p for p in [parts.shared._solve(weights, limit_s, limit_j)]
                   if p is not None]
+        if not found and limit_j is None:  # a limit only a plan with fewer switches meets
+            found = [p for p in [self._lower(parts.quickest, TIME, None, None)]
+                     if p.time_s <= limit_s]
         if not found:
             raise PipelineSolveError(
                 f"HiGHS found no plan of the {self.dag.stages}-stage pipeline on "
                 f"{self.dag.ranks} ranks within its time, although the relaxation has one; "
                 "allow it more time (max_solve_s) or give a looser limit"
             )
-        best = min(found, key=lambda p: (weights.of(p.time_s, p.energy_j), p.time_s))
+        best = self._lower(min(found, key=lambda p: (weights.of(p.time_s, p.energy_j),
+                                                     p.time_s)), weights, limit_s, limit_j)
         value = weights.of(best.time_s, best.energy_j)
         if gap(value, bound) > GAP and weights == ENERGY and limit_s is not None and (
                 limit_j is None):
             bound = max(bound, parts.rank_bound.energy(limit_s))
         self.known.append(best)  # a plan within these limits is within any looser
         return dataclasses.replace(best, gap=gap(value, bound))
+
+    def _lower(self, plan: PipelinePoint, weights: Weights, limit_s: float | None,
+               limit_j: float | None) -> PipelinePoint:
+        """``plan`` lowered by ``pipeline_descent`` within the limits (``plan`` itself
+        where it holds a choice that is none of this program's options: another
+        method's)."""
+        timing = self.parts.timing
+        start = timing.plan_of(plan.choices)
+        if start is None:
+            return plan
+        lowered = descend(timing, start, lambda cost: weights.of(*cost), limit_s, limit_j)
+        if lowered == start:
+            return plan
+        point = _evaluate(self.dag, self.model,
+                          [opts[k] for opts, k in zip(self.options, lowered)])
+        within = ((limit_s is None or point.time_s <= limit_s)
+                  and (limit_j is None or point.energy_j <= limit_j))
+        better = weights.of(point.time_s, point.energy_j) < weights.of(plan.time_s, plan.energy_j)
+        return point if within and better else plan
 
     def fastest(self, limit_j: float | None = None, what: str = "") -> PipelinePoint:
         """The fastest plan within ``limit_j`` (``what``: the limit, in words)."""

@@ -19,6 +19,7 @@ from kareus.planner.pipeline import (
     EnergyModel,
     PipelinePoint,
     PipelineSolveError,
+    _evaluate,
     _prune,
     _Solver,
     fastest,
@@ -27,6 +28,7 @@ from kareus.planner.pipeline import (
     pipeline_frontier,
     side_by_side,
 )
+from kareus.planner.pipeline_descent import Timing, descend, sweep
 from kareus.planner.pipeline_large import EXACT_INSTRUCTIONS, RankBound, hull
 
 P = FrontierPoint
@@ -133,11 +135,12 @@ def test_a_deep_pipeline_is_planned_the_large_way_with_its_gaps_stated():
 
 def test_plans_found_before_are_weighed():
     """A plan handed in (another method's, whose options these dominate) that beats what
-    the shared options reach stands on the frontier, its gap against this program."""
-    dag = one_f_one_b(3, 4)
-    options = _stage_options(3, heavy=1)
+    the shared options and the descent from their plan reach stands on the frontier, its
+    gap against this program."""
+    dag = one_f_one_b(3, 6)
+    options = _stage_options(3, heavy=2)
     model = energy_model(static_power_w=60.0, clock_switch_s=0.02, gpus=3)
-    limit = fastest(dag, options, model=model).time_s * 1.05
+    limit = fastest(dag, options, model=model).time_s * 1.02
     exact = least_energy(dag, options, time_limit_s=limit, model=model)
     shared = least_energy(dag, options, time_limit_s=limit, model=model, exact_up_to=0)
     assert exact.energy_j < shared.energy_j * (1 - 1e-6)  # the per-instruction plan is better
@@ -186,3 +189,79 @@ def test_a_small_dag_out_of_time_without_a_plan_is_planned_the_large_way():
                              best_found=True)
         assert _holds(point, _least(_brute_force(dag, options, model), np.inf))
     assert fell_back
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_the_descents_timing_costs_a_plan_as_the_exact_evaluation(seed):
+    rng = random.Random(300 + seed)
+    dag, options, model, _ = _case(rng)
+    per = [_prune(options[i.stage, i.kind], model) for i in dag.instructions]
+    timing = Timing(dag, per, model)
+    for _ in range(5):
+        plan = [rng.randrange(len(opts)) for opts in per]
+        exact = _evaluate(dag, model, [opts[k] for opts, k in zip(per, plan)])
+        assert timing.cost(plan) == pytest.approx((exact.time_s, exact.energy_j), rel=1e-12)
+        assert timing.plan_of(exact.choices) == plan
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_a_sweep_never_ends_later_nor_costs_more(seed):
+    """Each instruction takes its cheapest option within its latest finish: the plan ends
+    by the time it is given and, given its own end, costs no more."""
+    rng = random.Random(400 + seed)
+    dag, options, model, _ = _case(rng)
+    per = [_prune(options[i.stage, i.kind], model) for i in dag.instructions]
+    timing = Timing(dag, per, model)
+    plan = [rng.randrange(len(opts)) for opts in per]
+    end, energy = timing.cost(plan)
+    for limit in (end, end * 1.1):
+        swept = timing.cost(sweep(timing, plan, limit))
+        assert swept[0] <= limit * (1 + 1e-12)
+    assert timing.cost(sweep(timing, plan, end))[1] <= energy * (1 + 1e-12)
+
+
+def test_the_descent_lowers_the_shared_plan_near_the_fastest_time():
+    """Near the fastest time shared options slow no stage: moving a rank's filling and
+    draining instructions to slower clocks (relabels) and each instruction into its slack
+    (the sweep) lowers the plan within the same time."""
+    dag = one_f_one_b(4, 8)
+    options = _stage_options(4, heavy=3)
+    model = energy_model(static_power_w=60.0, clock_switch_s=0.02, gpus=4)
+    per = [_prune(options[i.stage, i.kind], model) for i in dag.instructions]
+    timing = Timing(dag, per, model)
+    quick = [min(range(len(o)), key=lambda k, o=o: (o[k].time_s, o[k].effective_energy_j))
+             for o in per]
+    end, energy = timing.cost(quick)
+    lowered = descend(timing, quick, lambda cost: cost[1], end, None)
+    assert timing.cost(lowered)[0] <= end
+    assert timing.cost(lowered)[1] < energy * 0.97
+    exact = least_energy(dag, options, time_limit_s=end, model=model)
+    assert timing.cost(lowered)[1] >= exact.energy_j * (1 - 1e-9)  # never below the optimum
+
+
+def test_methods_of_equal_options_are_solved_once(monkeypatch):
+    """Nanobatching that pays nowhere leaves three methods one program: it is solved once
+    and every one of them gets its frontier."""
+    from kareus.planner import iteration
+    from kareus.planner.budget import Budget
+
+    dag = one_f_one_b(2, 2)
+    options = _stage_options(2, heavy=1)
+    solved = []
+    real = iteration.pipeline_frontier
+    monkeypatch.setattr(iteration, "pipeline_frontier",
+                        lambda *a, **k: solved.append(a[1]) or real(*a, **k))
+    model = energy_model(static_power_w=60.0, clock_switch_s=0.02, gpus=2)
+    methods = {"baseline": {k: v[:1] for k, v in options.items()}, "perseus": options,
+               "nanobatch_perseus": dict(options), "kareus": dict(options)}
+    planned = iteration.plan_iteration(dag, methods, Budget.parse(), model=model,
+                                       max_power_w=1000.0, points=3)
+    assert solved == [options]
+    assert planned.frontiers["kareus"] == planned.frontiers["perseus"] == (
+        planned.frontiers["nanobatch_perseus"])
+    other = {k: [P(o.time_s * 0.9, o.effective_energy_j, o.choice) for o in v]
+             for k, v in options.items()}
+    solved.clear()
+    iteration.plan_iteration(dag, methods | {"kareus": other}, Budget.parse(),
+                             model=model, max_power_w=1000.0, points=3)
+    assert solved == [options, other]

@@ -1,0 +1,277 @@
+"""Lowering a large DAG's plan: moves checked by the exact schedule.
+
+The program of shared options (``planner.pipeline_large``) gives every microbatch of a
+(stage, kind) one option, so near the fastest time it cannot slow what has slack (a
+rank's filling and draining instructions) without slowing its steady state, which is
+critical. From its plan, ``descend`` moves in two ways, keeping a move only where the
+exact cost (``Timing``) says it lowers what the solve minimises within its limits:
+
+- **relabels**: every instruction of one rank's phase (filling: before its first
+  backward; draining: after its last forward; the steady state between; or the whole
+  rank) to one clock, a clock a step at a time from the phase's own while that lowers
+  it. A single instruction's clock rarely moves alone: it pays two switches' time where
+  there is no slack.
+- **a sweep**: in an order where every instruction follows what it waits for, each takes
+  its cheapest option (its effective energy less the blocked power its seconds save, and
+  the switches to its rank's neighbours) that still finishes by its latest finish: the
+  latest that lets everything after it, as planned, end by the time limit. No earlier
+  instruction then ends later than it may, so the plan stays within the limit.
+
+Both are local: the plan's gap is still proven against the bounds, not assumed.
+"""
+
+from __future__ import annotations
+
+import graphlib
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+from kareus.planner.compose import FrontierPoint
+
+ROUNDS = 5
+"""Relabel-and-sweep rounds at most (each costs about 4 exact costs per rank phase)."""
+
+PATIENCE = 3
+"""Steps in a row a relabel tries past the last it kept (a clock's step may pay a switch
+the next one's saving repays)."""
+
+_TOLERANCE = 1e-12
+"""A relative improvement below this is none (floating point rounding)."""
+
+Cost = tuple[float, float]
+"""An iteration's (seconds, joules), static power's included."""
+
+
+class Timing:
+    """The exact cost of plans of one DAG (``pipeline._evaluate``'s model), with the DAG's
+    arrays built once: a descent costs hundreds of plans. A plan is one option index per
+    instruction (into ``options``)."""
+
+    def __init__(self, dag, options: Sequence[Sequence[FrontierPoint]], model) -> None:
+        n = len(options)
+        self.dag, self.model = dag, model
+        self.time = [[o.time_s for o in opts] for opts in options]
+        self.energy = [[o.effective_energy_j for o in opts] for opts in options]
+        self.key = [[model.switch_key(o.choice) for o in opts] for opts in options]
+        self._index = [{o.choice: k for k, o in enumerate(opts)} for opts in options]
+        self.price = [[e - model.blocking_power_w * t for e, t in zip(es, ts)]
+                      for es, ts in zip(self.energy, self.time)]
+        chosen = {k: o.choice for opts, keys in zip(options, self.key)
+                  for o, k in zip(opts, keys)}
+        self.switches = {(a, b): model.switch(chosen[a], chosen[b])
+                         for a in chosen for b in chosen if a != b}
+        self.prev, self.next = [-1] * n, [-1] * n
+        self.last = [False] * n
+        for order in dag.orders:
+            for a, b in zip(order, order[1:] + order[:1]):
+                self.next[a] = b
+                if b != order[0]:
+                    self.prev[b] = a
+            self.last[order[-1]] = True
+        self.lasts = [order[-1] for order in dag.orders]
+        self.cross_preds: list[list[int]] = [[] for _ in range(n)]
+        self.cross_succs: list[list[int]] = [[] for _ in range(n)]
+        for a, b in dag.edges:
+            if self.prev[b] != a:
+                self.cross_preds[b].append(a)
+                self.cross_succs[a].append(b)
+        preds = {i: [*self.cross_preds[i], *([self.prev[i]] if self.prev[i] >= 0 else [])]
+                 for i in range(n)}
+        self.topo = list(graphlib.TopologicalSorter(preds).static_order())
+
+    def plan_of(self, choices: Sequence[Any]) -> list[int] | None:
+        """The plan of ``choices`` (one per instruction); None where one is none of its
+        instruction's options."""
+        plan = []
+        for i, choice in enumerate(choices):
+            at = self._index[i].get(choice)
+            if at is None:
+                return None
+            plan.append(at)
+        return plan
+
+    def switch(self, a: Hashable, b: Hashable) -> tuple[float, float]:
+        """The switch from clock ``a`` to ``b``: (seconds, effective joules)."""
+        return (0.0, 0.0) if a == b else self.switches[a, b]
+
+    def out_switch_s(self, plan: Sequence[int]) -> list[float]:
+        """The seconds of the switch after each instruction on its rank."""
+        return self._switches(plan)[0]
+
+    def _switches(self, plan: Sequence[int]) -> tuple[list[float], float]:
+        """The seconds of the switch after each instruction on its rank, and the joules of
+        all."""
+        after, joules = [0.0] * len(plan), 0.0
+        keys = [key[k] for key, k in zip(self.key, plan)]
+        for i, j in enumerate(self.next):
+            if keys[i] != keys[j]:
+                after[i], q = self.switches[keys[i], keys[j]]
+                joules += q
+        return after, joules
+
+    def _makespan(self, durations: Sequence[float], after: Sequence[float]) -> float:
+        start = [0.0] * len(durations)
+        prev, cross = self.prev, self.cross_preds
+        for i in self.topo:
+            p = prev[i]
+            s = start[p] + durations[p] + after[p] if p >= 0 else 0.0
+            for a in cross[i]:
+                f = start[a] + durations[a]
+                s = max(s, f)
+            start[i] = s
+        return max(start[i] + durations[i] + after[i] for i in self.lasts)
+
+    def cost(self, plan: Sequence[int]) -> Cost:
+        """The plan's (seconds, joules)."""
+        durations = [t[k] for t, k in zip(self.time, plan)]
+        after, switch_j = self._switches(plan)
+        makespan = self._makespan(durations, after)
+        effective = sum(e[k] for e, k in zip(self.energy, plan)) + switch_j
+        blocked = self.dag.ranks * makespan - sum(durations) - sum(after)
+        effective += self.model.blocking_power_w * blocked
+        return makespan, effective + self.model.static_power_w * makespan
+
+
+def descend(timing: Timing, plan: Sequence[int], value: Callable[[Cost], float],
+            limit_s: float | None, limit_j: float | None) -> list[int]:
+    """A plan no worse than ``plan`` by ``value`` (of its cost) within ``limit_s`` and
+    ``limit_j`` (None: none), found by the module docstring's moves; ``plan`` itself where
+    none lowers it."""
+    def fits(cost: Cost) -> bool:
+        return ((limit_s is None or cost[0] <= limit_s)
+                and (limit_j is None or cost[1] <= limit_j))
+
+    best, best_cost = list(plan), timing.cost(plan)
+    best_value = value(best_cost)
+
+    def consider(candidate: list[int]) -> bool:
+        nonlocal best, best_cost, best_value
+        cost = timing.cost(candidate)
+        v = value(cost)
+        if fits(cost) and v < best_value - _TOLERANCE * abs(best_value):
+            best, best_cost, best_value = candidate, cost, v
+            return True
+        return False
+
+    groups = phases(timing.dag)
+    for _ in range(ROUNDS):
+        before = best_value
+        for group in groups:
+            _relabel(timing, group, consider, lambda: best)
+        for end in dict.fromkeys([best_cost[0], *([limit_s] if limit_s else [])]):
+            if end >= best_cost[0]:
+                consider(sweep(timing, best, end))
+        if best_value >= before - _TOLERANCE * abs(before):
+            break
+    return best
+
+
+def phases(dag) -> list[list[int]]:
+    """Each rank's filling, steady and draining instructions, and the whole rank (those
+    not empty)."""
+    groups = []
+    for order in dag.orders:
+        kinds = [dag.instructions[i].kind for i in order]
+        first_b = kinds.index("backward") if "backward" in kinds else len(order)
+        last_f = (len(kinds) - 1 - kinds[::-1].index("forward")) if "forward" in kinds else -1
+        fill = order[:first_b]
+        drain = order[last_f + 1:]
+        steady = order[first_b:last_f + 1]
+        groups += [g for g in (fill, steady, drain, list(order)) if g]
+    return groups
+
+
+def _relabel(timing: Timing, group: Sequence[int], consider: Callable[[list[int]], bool],
+             current: Callable[[], list[int]]) -> None:
+    """Moves ``group`` to one clock: the clocks in the order of the group's time at them,
+    from its most common clock a step at a time in each direction, until ``PATIENCE``
+    steps in a row were not kept by ``consider`` (clocks as fast and as costly as the last
+    tried count as none)."""
+    plan = current()
+    moves = {}
+    for clock in {k for i in group for k in timing.key[i]}:
+        moved = _at_clock(timing, plan, group, clock)
+        moves[clock] = (sum(timing.time[i][moved[i]] for i in group),
+                        sum(timing.price[i][moved[i]] for i in group))
+    clocks = sorted(moves, key=lambda c: (moves[c], _ordering(c)))
+    held = [timing.key[i][plan[i]] for i in group]
+    at = clocks.index(max(set(held), key=lambda c: (held.count(c), _ordering(c))))
+    for step in (-1, 1):
+        n, misses, last = at + step, 0, moves[clocks[at]]
+        while 0 <= n < len(clocks) and misses < PATIENCE:
+            if moves[clocks[n]] != last:
+                kept = consider(_at_clock(timing, current(), group, clocks[n]))
+                misses = 0 if kept else misses + 1
+                last = moves[clocks[n]]
+            n += step
+
+
+def _at_clock(timing: Timing, plan: Sequence[int], group: Sequence[int], clock: Hashable
+              ) -> list[int]:
+    """``plan`` with each of ``group`` at its fastest option of ``clock`` (where it has
+    one)."""
+    moved = list(plan)
+    for i in group:
+        at = [k for k, key in enumerate(timing.key[i]) if key == clock]
+        if at:
+            moved[i] = min(at, key=lambda k: (timing.time[i][k], timing.price[i][k]))
+    return moved
+
+
+def sweep(timing: Timing, plan: Sequence[int], end_s: float) -> list[int]:
+    """Each instruction, in ``timing.topo`` order, at its cheapest option that finishes by
+    its latest finish with the iteration ending by ``end_s`` (at least ``plan``'s
+    makespan: ``plan``'s own options always fit, so the result ends by ``end_s``)."""
+    n = len(plan)
+    durations = [t[k] for t, k in zip(timing.time, plan)]
+    after = timing.out_switch_s(plan)
+    latest = [0.0] * n  # latest start of each instruction, as planned
+    for i in reversed(timing.topo):
+        finish = end_s - after[i] if timing.last[i] else latest[timing.next[i]] - after[i]
+        for j in timing.cross_succs[i]:
+            finish = min(finish, latest[j])
+        latest[i] = finish - durations[i]
+    moved, start, ends = list(plan), [0.0] * n, [0.0] * n
+    blocking = timing.model.blocking_power_w
+    for i in timing.topo:
+        ready = max((ends[a] for a in timing.cross_preds[i]), default=0.0)
+        p, q = timing.prev[i], timing.next[i]
+        cap = min((latest[j] for j in timing.cross_succs[i]), default=float("inf"))
+        old_key = timing.key[i][plan[i]]
+        choice, price = plan[i], None
+        for k, key in enumerate(timing.key[i]):
+            begin, extra = ready, 0.0
+            if p >= 0:
+                seconds, joules = timing.switch(timing.key[p][moved[p]], key)
+                begin = max(ready, ends[p] + seconds)
+                extra += joules - blocking * seconds
+            else:  # the switch round from the rank's last: never longer than planned
+                last = _last_of(timing, i)
+                seconds, joules = timing.switch(timing.key[last][plan[last]], key)
+                if seconds > timing.switch(timing.key[last][plan[last]], old_key)[0]:
+                    continue
+                extra += joules - blocking * seconds
+            finish = begin + timing.time[i][k]
+            seconds, joules = timing.switch(key, timing.key[q][moved[q]])
+            limit = end_s if timing.last[i] else latest[q]
+            if finish > min(cap, limit - seconds) * (1 + _TOLERANCE) and k != plan[i]:
+                continue
+            total = timing.price[i][k] + extra + joules - blocking * seconds
+            if price is None or total < price - _TOLERANCE * abs(price):
+                choice, price = k, total
+        moved[i] = choice
+        start[i] = (max(ready, ends[p] + timing.switch(timing.key[p][moved[p]],
+                                                        timing.key[i][choice])[0])
+                    if p >= 0 else ready)
+        ends[i] = start[i] + timing.time[i][choice]
+    return moved
+
+
+def _last_of(timing: Timing, first: int) -> int:
+    """The last instruction of the rank ``first`` begins."""
+    return next(i for i in range(len(timing.next)) if timing.next[i] == first)
+
+
+def _ordering(key: Any) -> tuple[int, Any]:
+    """Clocks in order: numbers by value, anything else by its text."""
+    return (0, key) if isinstance(key, (int, float)) else (1, repr(key))
