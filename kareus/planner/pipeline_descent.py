@@ -31,6 +31,10 @@ from kareus.planner.compose import FrontierPoint
 ROUNDS = 5
 """Relabel-and-sweep rounds at most (each costs about 4 exact costs per rank phase)."""
 
+WORK = 2_000_000
+"""Instructions costed (exact costs x the DAG's instructions) at most in one descent: a
+DAG of 2048 instructions pays 1000 costs (about 0.7 s), one of 8192 a quarter as many."""
+
 PATIENCE = 3
 """Steps in a row a relabel tries past the last it kept (a clock's step may pay a switch
 the next one's saving repays)."""
@@ -135,35 +139,46 @@ class Timing:
 def descend(timing: Timing, plan: Sequence[int], value: Callable[[Cost], float],
             limit_s: float | None, limit_j: float | None) -> list[int]:
     """A plan no worse than ``plan`` by ``value`` (of its cost) within ``limit_s`` and
-    ``limit_j`` (None: none), found by the module docstring's moves; ``plan`` itself where
-    none lowers it."""
-    def fits(cost: Cost) -> bool:
-        return ((limit_s is None or cost[0] <= limit_s)
-                and (limit_j is None or cost[1] <= limit_j))
-
-    best, best_cost = list(plan), timing.cost(plan)
-    best_value = value(best_cost)
-
-    def consider(candidate: list[int]) -> bool:
-        nonlocal best, best_cost, best_value
-        cost = timing.cost(candidate)
-        v = value(cost)
-        if fits(cost) and v < best_value - _TOLERANCE * abs(best_value):
-            best, best_cost, best_value = candidate, cost, v
-            return True
-        return False
-
+    ``limit_j`` (None: none), found by the module docstring's moves within ``WORK``;
+    ``plan`` itself where none lowers it."""
+    descent = _Descent(timing, plan, value, limit_s, limit_j)
     groups = phases(timing.dag)
     for _ in range(ROUNDS):
-        before = best_value
+        before = descent.value
         for group in groups:
-            _relabel(timing, group, consider, lambda: best)
-        for end in dict.fromkeys([best_cost[0], *([limit_s] if limit_s else [])]):
-            if end >= best_cost[0]:
-                consider(sweep(timing, best, end))
-        if best_value >= before - _TOLERANCE * abs(before):
+            _relabel(timing, group, descent)
+        for end in dict.fromkeys([descent.cost[0], *([limit_s] if limit_s else [])]):
+            if end >= descent.cost[0]:
+                descent.consider(sweep(timing, descent.best, end))
+        if descent.left <= 0 or descent.value >= before - _TOLERANCE * abs(before):
             break
-    return best
+    return descent.best
+
+
+class _Descent:
+    """One descent: its best plan so far, and the exact costs it may still pay."""
+
+    def __init__(self, timing: Timing, plan: Sequence[int], value: Callable[[Cost], float],
+                 limit_s: float | None, limit_j: float | None) -> None:
+        self.timing, self.objective, self.limit_s, self.limit_j = timing, value, limit_s, limit_j
+        self.left = max(1, WORK // len(plan))
+        self.best, self.cost = list(plan), timing.cost(plan)
+        self.value = value(self.cost)
+
+    def consider(self, candidate: list[int]) -> bool:
+        """Keeps ``candidate`` where it is within the limits and lowers the value (never
+        once the work is spent)."""
+        if self.left <= 0:
+            return False
+        self.left -= 1
+        cost = self.timing.cost(candidate)
+        value = self.objective(cost)
+        if ((self.limit_s is None or cost[0] <= self.limit_s)
+                and (self.limit_j is None or cost[1] <= self.limit_j)
+                and value < self.value - _TOLERANCE * abs(self.value)):
+            self.best, self.cost, self.value = candidate, cost, value
+            return True
+        return False
 
 
 def phases(dag) -> list[list[int]]:
@@ -181,13 +196,12 @@ def phases(dag) -> list[list[int]]:
     return groups
 
 
-def _relabel(timing: Timing, group: Sequence[int], consider: Callable[[list[int]], bool],
-             current: Callable[[], list[int]]) -> None:
+def _relabel(timing: Timing, group: Sequence[int], descent: _Descent) -> None:
     """Moves ``group`` to one clock: the clocks in the order of the group's time at them,
     from its most common clock a step at a time in each direction, until ``PATIENCE``
-    steps in a row were not kept by ``consider`` (clocks as fast and as costly as the last
+    steps in a row were not kept by the descent (clocks as fast and as costly as the last
     tried count as none)."""
-    plan = current()
+    plan = descent.best
     moves = {}
     for clock in {k for i in group for k in timing.key[i]}:
         moved = _at_clock(timing, plan, group, clock)
@@ -198,9 +212,9 @@ def _relabel(timing: Timing, group: Sequence[int], consider: Callable[[list[int]
     at = clocks.index(max(set(held), key=lambda c: (held.count(c), _ordering(c))))
     for step in (-1, 1):
         n, misses, last = at + step, 0, moves[clocks[at]]
-        while 0 <= n < len(clocks) and misses < PATIENCE:
+        while 0 <= n < len(clocks) and misses < PATIENCE and descent.left > 0:
             if moves[clocks[n]] != last:
-                kept = consider(_at_clock(timing, current(), group, clocks[n]))
+                kept = descent.consider(_at_clock(timing, descent.best, group, clocks[n]))
                 misses = 0 if kept else misses + 1
                 last = moves[clocks[n]]
             n += step
