@@ -18,7 +18,7 @@ at least the true one).
 
     python benchmarks/pipeline_scaling.py [--out-dir benchmarks/results] [--only 32x128]
 
-Writes ``pipeline_scaling.json`` and ``pipeline_scaling.png`` there; about 15 minutes on
+Writes ``pipeline_scaling.json`` and ``pipeline_scaling.png`` there; about 25 minutes on
 2 cores.
 """
 

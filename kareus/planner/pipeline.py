@@ -31,8 +31,9 @@ Up to ``pipeline_large.EXACT_INSTRUCTIONS`` instructions the planner is exact: a
 mixed-integer linear program solved by HiGHS (``scipy.optimize.milp``) to a zero gap.
 Larger DAGs (a 70B model at 16 stages x 64 microbatches has 2048 instructions, where the
 program's relaxation alone takes a minute) are planned by ``planner.pipeline_large``: a
-program of shared options and the plans found before, lowered by a descent, every plan's gap proven against
-bounds and stated (``PipelinePoint.gap``). Binaries x[i, o] pick one option per
+program of shared options and the plans found before, lowered by a descent
+(``planner.pipeline_descent``), every plan's gap proven against bounds and stated
+(``PipelinePoint.gap``). Binaries x[i, o] pick one option per
 instruction; start times s_i and T are continuous; between consecutive instructions i -> j
 of a rank the switch is a transport w[a, b] >= 0 from i's clock a to j's clock b
 (sum_b w[a, b] = i's indicator of clock a, sum_a w[a, b] = j's of b: with integral
