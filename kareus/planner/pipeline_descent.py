@@ -73,6 +73,9 @@ class Timing:
                     self.prev[b] = a
             self.last[order[-1]] = True
         self.lasts = [order[-1] for order in dag.orders]
+        self.round_from = {order[0]: order[-1] for order in dag.orders}
+        """Each rank's first instruction: the last, whose switch into the next iteration
+        ends at it."""
         self.cross_preds: list[list[int]] = [[] for _ in range(n)]
         self.cross_succs: list[list[int]] = [[] for _ in range(n)]
         for a, b in dag.edges:
@@ -98,11 +101,7 @@ class Timing:
         """The switch from clock ``a`` to ``b``: (seconds, effective joules)."""
         return (0.0, 0.0) if a == b else self.switches[a, b]
 
-    def out_switch_s(self, plan: Sequence[int]) -> list[float]:
-        """The seconds of the switch after each instruction on its rank."""
-        return self._switches(plan)[0]
-
-    def _switches(self, plan: Sequence[int]) -> tuple[list[float], float]:
+    def switches_after(self, plan: Sequence[int]) -> tuple[list[float], float]:
         """The seconds of the switch after each instruction on its rank, and the joules of
         all."""
         after, joules = [0.0] * len(plan), 0.0
@@ -128,7 +127,7 @@ class Timing:
     def cost(self, plan: Sequence[int]) -> Cost:
         """The plan's (seconds, joules)."""
         durations = [t[k] for t, k in zip(self.time, plan)]
-        after, switch_j = self._switches(plan)
+        after, switch_j = self.switches_after(plan)
         makespan = self._makespan(durations, after)
         effective = sum(e[k] for e, k in zip(self.energy, plan)) + switch_j
         blocked = self.dag.ranks * makespan - sum(durations) - sum(after)
@@ -146,7 +145,7 @@ def descend(timing: Timing, plan: Sequence[int], value: Callable[[Cost], float],
     for _ in range(ROUNDS):
         before = descent.value
         for group in groups:
-            _relabel(timing, group, descent)
+            _relabel(group, descent)
         for end in dict.fromkeys([descent.cost[0], *([limit_s] if limit_s else [])]):
             if end >= descent.cost[0]:
                 descent.consider(sweep(timing, descent.best, end))
@@ -196,12 +195,12 @@ def phases(dag) -> list[list[int]]:
     return groups
 
 
-def _relabel(timing: Timing, group: Sequence[int], descent: _Descent) -> None:
+def _relabel(group: Sequence[int], descent: _Descent) -> None:
     """Moves ``group`` to one clock: the clocks in the order of the group's time at them,
     from its most common clock a step at a time in each direction, until ``PATIENCE``
     steps in a row were not kept by the descent (clocks as fast and as costly as the last
     tried count as none)."""
-    plan = descent.best
+    timing, plan = descent.timing, descent.best
     moves = {}
     for clock in {k for i in group for k in timing.key[i]}:
         moved = _at_clock(timing, plan, group, clock)
@@ -238,21 +237,21 @@ def sweep(timing: Timing, plan: Sequence[int], end_s: float) -> list[int]:
     makespan: ``plan``'s own options always fit, so the result ends by ``end_s``)."""
     n = len(plan)
     durations = [t[k] for t, k in zip(timing.time, plan)]
-    after = timing.out_switch_s(plan)
+    after, _ = timing.switches_after(plan)
     latest = [0.0] * n  # latest start of each instruction, as planned
     for i in reversed(timing.topo):
         finish = end_s - after[i] if timing.last[i] else latest[timing.next[i]] - after[i]
         for j in timing.cross_succs[i]:
             finish = min(finish, latest[j])
         latest[i] = finish - durations[i]
-    moved, start, ends = list(plan), [0.0] * n, [0.0] * n
+    moved, ends = list(plan), [0.0] * n
     blocking = timing.model.blocking_power_w
     for i in timing.topo:
         ready = max((ends[a] for a in timing.cross_preds[i]), default=0.0)
         p, q = timing.prev[i], timing.next[i]
         cap = min((latest[j] for j in timing.cross_succs[i]), default=float("inf"))
         old_key = timing.key[i][plan[i]]
-        choice, price = plan[i], None
+        choice, price, choice_end = plan[i], None, 0.0
         for k, key in enumerate(timing.key[i]):
             begin, extra = ready, 0.0
             if p >= 0:
@@ -260,7 +259,7 @@ def sweep(timing: Timing, plan: Sequence[int], end_s: float) -> list[int]:
                 begin = max(ready, ends[p] + seconds)
                 extra += joules - blocking * seconds
             else:  # the switch round from the rank's last: never longer than planned
-                last = _last_of(timing, i)
+                last = timing.round_from[i]
                 seconds, joules = timing.switch(timing.key[last][plan[last]], key)
                 if seconds > timing.switch(timing.key[last][plan[last]], old_key)[0]:
                     continue
@@ -272,18 +271,9 @@ def sweep(timing: Timing, plan: Sequence[int], end_s: float) -> list[int]:
                 continue
             total = timing.price[i][k] + extra + joules - blocking * seconds
             if price is None or total < price - _TOLERANCE * abs(price):
-                choice, price = k, total
-        moved[i] = choice
-        start[i] = (max(ready, ends[p] + timing.switch(timing.key[p][moved[p]],
-                                                        timing.key[i][choice])[0])
-                    if p >= 0 else ready)
-        ends[i] = start[i] + timing.time[i][choice]
+                choice, price, choice_end = k, total, finish
+        moved[i], ends[i] = choice, choice_end
     return moved
-
-
-def _last_of(timing: Timing, first: int) -> int:
-    """The last instruction of the rank ``first`` begins."""
-    return next(i for i in range(len(timing.next)) if timing.next[i] == first)
 
 
 def _ordering(key: Any) -> tuple[int, Any]:
