@@ -959,16 +959,23 @@ class _Solver:
         found += [p for p in [parts.shared._solve(weights, limit_s, limit_j)]
                   if p is not None]
         if not found and limit_j is None:  # a limit only a plan with fewer switches meets
-            found = [p for p in [self._lower(parts.quickest, TIME, None, None)]
-                     if p.time_s <= limit_s]
+            found = [p for p in [self.fastest()] if p.time_s <= limit_s]
         if not found:
             raise PipelineSolveError(
                 f"HiGHS found no plan of the {self.dag.stages}-stage pipeline on "
                 f"{self.dag.ranks} ranks within its time, although the relaxation has one; "
                 "allow it more time (max_solve_s) or give a looser limit"
             )
-        best = self._lower(min(found, key=lambda p: (weights.of(p.time_s, p.energy_j),
-                                                     p.time_s)), weights, limit_s, limit_j)
+        # the best found lowered in both orders of relabels, and every instruction at its
+        # fastest best first: each reaches plans the others do not (``pipeline_descent``)
+        def order(p: PipelinePoint) -> tuple[float, float]:
+            return weights.of(p.time_s, p.energy_j), p.time_s
+
+        start = min(found, key=order)
+        descents = [(start, False), (start, True)]
+        descents += [(p, True) for p in found if p is parts.quickest and p is not start]
+        best = min((self._lower(p, weights, limit_s, limit_j, best_first)
+                    for p, best_first in descents), key=order)
         value = weights.of(best.time_s, best.energy_j)
         if gap(value, bound) > GAP and weights == ENERGY and limit_s is not None and (
                 limit_j is None):
@@ -977,15 +984,16 @@ class _Solver:
         return dataclasses.replace(best, gap=gap(value, bound))
 
     def _lower(self, plan: PipelinePoint, weights: Weights, limit_s: float | None,
-               limit_j: float | None) -> PipelinePoint:
-        """``plan`` lowered by ``pipeline_descent`` within the limits (``plan`` itself
-        where it holds a choice that is none of this program's options: another
-        method's)."""
+               limit_j: float | None, best_first: bool = True) -> PipelinePoint:
+        """``plan`` lowered by ``pipeline_descent`` within the limits, its relabels best
+        first or stepwise (``plan`` itself where it holds a choice that is none of this
+        program's options: another method's)."""
         timing = self.parts.timing
         start = timing.plan_of(plan.choices)
         if start is None:
             return plan
-        lowered = descend(timing, start, lambda cost: weights.of(*cost), limit_s, limit_j)
+        lowered = descend(timing, start, lambda cost: weights.of(*cost), limit_s, limit_j,
+                          best_first)
         if lowered == start:
             return plan
         point = _evaluate(self.dag, self.model,
