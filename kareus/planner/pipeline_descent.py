@@ -233,19 +233,18 @@ def _relabel(group: Sequence[int], descent: _Descent) -> None:
 
 def _relabels(groups: Sequence[Sequence[int]], descent: _Descent) -> None:
     """Every group to every one of its clocks, tried best first by what the move saves
-    locally (``_local``): the groups' prices and the switches they touch, and their busy
-    seconds, as the descent values them). Taking moves in their order of first improvement
-    lets the first groups spend the slack that the groups with most to save need."""
+    locally (``_local``: the group's prices and seconds and the switches it touches, as
+    the descent values them). Tried group by group instead, the first groups would spend
+    the slack that the groups with most to save need."""
     timing, value = descent.timing, descent.objective
     moves = []
     for g, group in enumerate(groups):
+        held = value(_local(timing, descent.best, group))
         for clock in {k for i in group for k in timing.key[i]}:
             moved = _at_clock(timing, descent.best, group, clock)
-            if moved != descent.best:
-                saved = (value(_local(timing, descent.best, group))
-                         - value(_local(timing, moved, group)))
-                if saved > 0:
-                    moves.append((saved, g, clock))
+            saved = held - value(_local(timing, moved, group))
+            if moved != descent.best and saved > 0:
+                moves.append((saved, g, clock))
     moves.sort(key=lambda move: (-move[0], move[1], _ordering(move[2])))
     for _, g, clock in moves:
         if descent.left <= 0:
