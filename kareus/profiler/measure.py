@@ -50,6 +50,7 @@ from kareus.devices.nvml.multiplex import (
     MultiplexPolicy,
     first_round,
 )
+from kareus.devices.nvml.replay import WARMUP_RUNS
 from kareus.errors import KareusError
 from kareus.profiler.interrupt import check
 
@@ -169,16 +170,19 @@ class Protocol:
         min_window_s: float = DEFAULT_MIN_WINDOW_S,
     ) -> float:
         """GPU time one steady evaluation of a variant taking ``run_s`` per run costs: the
-        settle after its clock change, then per repeat a warm-up run and a window of 110%
-        of ``min_window_s`` (as the energy meter sizes it), and the pauses between repeats."""
+        settle after its clock change, then per repeat its capture's warm-up runs
+        (``nvml.replay``), a warm-up run and a window of 110% of ``min_window_s`` (as the
+        energy meter sizes it), and the pauses between repeats."""
         window_s = max(run_s, 1.1 * min_window_s)
-        return settle_s + self.repeats * (run_s + window_s) + (self.repeats - 1) * self.cooldown_s
+        return (settle_s + self.repeats * (_WARMUPS * run_s + window_s)
+                + (self.repeats - 1) * self.cooldown_s)
 
     @staticmethod
     def seconds_per_check(run_s: float, *, settle_s: float = DEFAULT_SETTLE_S) -> float:
-        """GPU time checking a chosen point takes (``Device.check``): the settle, a warm-up
-        run and one window of 110% of ``CHECK_WINDOW_S``, as the NVML meter sizes it."""
-        return settle_s + run_s + max(run_s, 1.1 * CHECK_WINDOW_S)
+        """GPU time checking a chosen point takes (``Device.check``): the settle, the
+        capture's warm-up runs and a warm-up run, and one window of 110% of
+        ``CHECK_WINDOW_S``, as the NVML meter sizes it."""
+        return settle_s + _WARMUPS * run_s + max(run_s, 1.1 * CHECK_WINDOW_S)
 
     @staticmethod
     def seconds_per_batch(
@@ -188,7 +192,8 @@ class Protocol:
     ) -> float:
         """GPU time the multiplexed protocol takes for variants taking ``run_s`` per run at
         one clock, on a counter updating every ``period_s``: the settle where the clock
-        ``switched``, then per variant a warm-up run and the first round's blocks
+        ``switched``, then per variant its capture's warm-up runs and a warm-up run, and
+        the first round's blocks
         (``multiplex.first_round``: enough of the counter's updates to state an error,
         however few the variants; fewer where the probe measured the counter's noise,
         ``noise_known``, and its lag, ``lag_known``, as it does on an integrating counter),
@@ -206,7 +211,12 @@ class Protocol:
         settled = switched and settle_s >= period_s
         waits = (0.0 if settled else WAIT_BEFORE_UPDATES) + WAIT_AFTER_UPDATES
         return (settle_s * switched + waits * period_s
-                + sum(r + blocks * max(r, block_s) for r in run_s))
+                + sum(_WARMUPS * r + blocks * max(r, block_s) for r in run_s))
+
+
+_WARMUPS = WARMUP_RUNS + 1
+"""Runs of a variant before it is measured: its CUDA graph's capture's warm-up runs
+(``nvml.replay``), then the meter's own warm-up."""
 
 
 def measure_variant(

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import pytest
+from fake_cuda import FakeCudaGraphs
 from fake_pynvml import BusyTimeline, FakeClock, FakeGpu, FakeNvml, FakePowerModel, opened
 
 from kareus.devices.base import Workload
@@ -43,6 +44,7 @@ from kareus.devices.nvml.multiplex import (
     schedule,
     solve,
 )
+from kareus.devices.nvml.replay import WARMUP_RUNS
 
 MODEL = FakePowerModel.of()
 MHZ = 900
@@ -408,6 +410,80 @@ def test_measure_batch_multiplexes_where_the_counter_integrates() -> None:
         assert {"error", "runs", "blocks", "control_drift", "clock_locked"} <= set(m.details)
         assert m.details["clock_locked"] == 1.0 and 0 < m.details["error"] < 0.5
     assert [m.details["control"] for m in measured] == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_a_batch_is_measured_replaying_each_variants_cuda_graph() -> None:
+    fake, _, timeline = fake_gpu(**COUNTER)
+    cuda = FakeCudaGraphs()
+    runs = variants(timeline)
+    hosted = [0] * len(runs)
+
+    def launcher(i: int) -> Callable[[], None]:
+        def run() -> None:  # host code, then the variant's work as the GPU's
+            hosted[i] += 1
+            cuda.launch(runs[i])
+        return run
+
+    with device(fake, timer=time.perf_counter, counter=behaviour(integrates=True),
+                graphs=cuda) as gpu:
+        measured = gpu.measure_batch(workloads([launcher(i) for i in range(len(runs))]), MHZ)
+    # each variant's host code ran for its warm-up and its capture only: every run measured
+    # was its graph's replay, the batch's graphs in one memory pool
+    assert hosted == [WARMUP_RUNS + 1] * len(runs)
+    assert [g.replays for g in cuda.graphs] == [run.runs - WARMUP_RUNS for run in runs]
+    assert len(set(cuda.pools)) == 1 and cuda.modes == ["thread_local"] * len(runs)
+    for run, m in zip(runs, measured):
+        assert m.details["replayed"] == 1.0
+        assert m.energy_j == pytest.approx(run.true_energy_j(m.time_s), rel=0.02)
+
+
+def test_a_variant_that_cannot_be_captured_is_measured_eagerly_and_said_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = FakeClock()
+    fake = FakeNvml([FakeGpu(counter_period_s=0.1, counter_sample_s=0.025)], clock=clock)
+    cuda = FakeCudaGraphs(fail="CUDA error: operation not permitted when stream is capturing")
+    calls = [0]
+
+    def run() -> None:
+        calls[0] += 1
+        cuda.launch(lambda: clock.advance(0.002))
+
+    with caplog.at_level(logging.DEBUG, "kareus"), device(
+            fake, timer=clock, min_window_s=0.2, counter=behaviour(integrates=False),
+            multiplexing=MultiplexPolicy(max_error=0.25), graphs=cuda) as gpu:
+        measured = gpu.measure_batch([Workload("w0", run=run), Workload("w1", run=run)], MHZ)
+    said = [r for r in caplog.records if "without CUDA-graph replay" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.WARNING, logging.DEBUG]
+    assert "w0 is measured without CUDA-graph replay" in said[0].getMessage()
+    assert "its capture failed: RuntimeError: CUDA error: operation not permitted" in (
+        said[0].getMessage())
+    for m in measured:
+        assert m.details["replayed"] == 0.0 and m.time_s == pytest.approx(0.002)
+    assert calls[0] > 2 * (WARMUP_RUNS + 1)  # the windows ran the variant itself
+
+
+@pytest.mark.parametrize("replay", [True, False])
+def test_windows_replay_the_variant_unless_told_not_to(replay: bool) -> None:
+    clock = FakeClock()
+    fake = FakeNvml([FakeGpu(counter_period_s=0.1, counter_sample_s=0.025)], clock=clock)
+    cuda = FakeCudaGraphs()
+    calls = [0]
+
+    def run() -> None:
+        calls[0] += 1
+        cuda.launch(lambda: clock.advance(0.002))
+
+    with device(fake, timer=clock, min_window_s=0.2, counter=behaviour(integrates=False),
+                graphs=cuda, replay=replay) as gpu:
+        alone = gpu.measure(Workload("w", run=run), MHZ)
+        checked = gpu.check(Workload("w", run=run), MHZ)
+    for m in (alone, checked):
+        assert m.details["replayed"] == float(replay)
+        assert m.time_s == pytest.approx(0.002)
+    assert len(cuda.graphs) == 2 * replay
+    if replay:  # the host code ran for the two warm-ups and the captures only
+        assert calls[0] == 2 * (WARMUP_RUNS + 1)
 
 
 def test_a_lone_variant_on_a_counter_of_known_noise_takes_half_the_blocks() -> None:

@@ -6,6 +6,7 @@ import pytest
 from kareus.devices import SimulatedGPU
 from kareus.devices.base import Device, Measurement, RecordingClockController, Workload
 from kareus.devices.nvml.multiplex import DEFAULT_POLICY, first_round
+from kareus.devices.nvml.replay import WARMUP_RUNS
 from kareus.profiler.measure import Protocol, group_measurement, measure_batch, measure_variant
 
 
@@ -114,10 +115,13 @@ def test_one_measurement_stands_for_a_symmetric_group():
 
 
 def test_the_protocols_gpu_time_per_evaluation():
-    # 0.1 s settle + 3 x (a 10 ms warm-up run + a 0.55 s window)
-    assert Protocol().seconds_per_evaluation(0.01) == pytest.approx(0.1 + 3 * 0.56)
-    assert Protocol(cooldown_s=5).seconds_per_evaluation(0.01) == pytest.approx(10.1 + 3 * 0.56)
-    # multiplexed: the settle where the clock changed, then a warm-up run and as many
+    # 0.1 s settle + 3 x (the capture's 2 warm-up runs and the meter's, 10 ms each, + a
+    # 0.55 s window)
+    assert WARMUP_RUNS == 2
+    assert Protocol().seconds_per_evaluation(0.01) == pytest.approx(0.1 + 3 * 0.58)
+    assert Protocol(cooldown_s=5).seconds_per_evaluation(0.01) == pytest.approx(10.1 + 3 * 0.58)
+    assert Protocol.seconds_per_check(0.01) == pytest.approx(0.1 + 0.03 + 2.2)
+    # multiplexed: the settle where the clock changed, then 3 warm-up runs and as many
     # 0.15 s blocks (a run, where longer) as the counter's updates need to state errors
     # (fewer where the probe measured the counter's noise and lag, as on an integrating
     # counter)
@@ -127,15 +131,15 @@ def test_the_protocols_gpu_time_per_evaluation():
     # (and the waits for the counter: 1.5 updates of 100 ms for its report on average,
     # and half an update for a tick before the first block where no settle held one)
     assert Protocol().seconds_per_batch([0.01, 0.3]) == pytest.approx(
-        0.1 + 0.01 + two * two_s + 0.3 + two * 0.3 + 0.15)
+        0.1 + 0.03 + two * two_s + 0.9 + two * 0.3 + 0.15)
     assert Protocol().seconds_per_batch([0.01], switched=False) == pytest.approx(
-        0.01 + one * one_s + 0.2)
+        0.03 + one * one_s + 0.2)
     assert Protocol().seconds_per_batch([0.01], settle_s=0.05) == pytest.approx(
-        0.05 + 0.01 + one * one_s + 0.2)  # a settle shorter than an update may hold none
+        0.05 + 0.03 + one * one_s + 0.2)  # a settle shorter than an update may hold none
     unknown, unknown_s = first_round(1, 0.1, DEFAULT_POLICY, lag_known=True)
     assert unknown * unknown_s > one * one_s
     assert Protocol().seconds_per_batch([0.01], switched=False, noise_known=False) == (
-        pytest.approx(0.01 + unknown * unknown_s + 0.2))
+        pytest.approx(0.03 + unknown * unknown_s + 0.2))
     # the lag fitted: an update more, where the updates rather than the blocks' least
     # length set the round (six variants here)
     (known, known_s), (fitted, fitted_s) = (

@@ -11,7 +11,9 @@ is searched and ``clock_limitation`` says why.
 A batch of workloads at one clock (``measure_batch``) is measured together, interleaved
 (``nvml.multiplex``), where the energy counter integrates the power; whether it does is
 probed once per GPU model and driver (``nvml.counter``), when first needed. Elsewhere each
-workload gets windows long enough for the error a multiplexed estimate would have.
+workload gets windows long enough for the error a multiplexed estimate would have. With
+CUDA, each workload runs as the replay of its CUDA graph where it can be captured
+(``nvml.replay``), so that its time is the GPU's, without launch gaps.
 """
 
 from __future__ import annotations
@@ -61,6 +63,15 @@ from kareus.devices.nvml.multiplex import (
 )
 from kareus.devices.nvml.multiplex import details as multiplexed_details
 from kareus.devices.nvml.ownership import HeldClockLocks
+from kareus.devices.nvml.replay import (
+    CudaGraphs,
+    Eager,
+    EagerKind,
+    Replay,
+    agreed,
+    nccl_version,
+    replayable,
+)
 from kareus.devices.nvml.select import select_gpu
 from kareus.passes.ops import DEFAULT_CLOCK_MHZ
 
@@ -149,6 +160,9 @@ class NvmlGPU(Device, Closing):
     either, only the default clock is searched and ``clock_limitation`` says why (a WARNING
     says it once, at open). ``load`` keeps the GPU busy for about the seconds given while
     its energy counter is probed (None: a GEMM loop with CUDA, a CPU spin without).
+    With CUDA each workload is measured replaying its CUDA graph (``nvml.replay``) where
+    it can be captured; ``replay=False`` measures every one eagerly, and ``graphs`` stands
+    in for ``torch.cuda``'s graph API (tests). ``details["replayed"]`` says which ran.
     """
 
     controls_clocks = True
@@ -173,6 +187,8 @@ class NvmlGPU(Device, Closing):
         counter: CounterBehaviour | None = None,
         multiplexing: MultiplexPolicy = DEFAULT_POLICY,
         load: Callable[[float], None] | None = None,
+        replay: bool = True,
+        graphs: CudaGraphs | None = None,
     ) -> None:
         self.dry_run = dry_run
         self._load = load
@@ -213,6 +229,10 @@ class NvmlGPU(Device, Closing):
                 multiplexing=multiplexing,
             )
             self._cuda = cuda
+            self._graphs = (graphs if graphs is not None else torch.cuda if cuda else None
+                            ) if replay else None
+            self._nccl = nccl_version() if self._graphs is not None else None
+            self._eager_said: set[EagerKind] = set()
             self._controller = controller = NvmlClockController(
                 nvml,
                 handle,
@@ -318,7 +338,8 @@ class NvmlGPU(Device, Closing):
         # a window must be long enough for the stated error, as in measure_batch.
         known = self._counter is not None and not self._counter.integrates
         meter = self.meter.lengthened(self.fallback_window_s) if known else self.meter
-        return self._windowed(workload, clock_mhz, meter, workload.agree)
+        (replay,) = self._replays([workload], workload.agree)
+        return self._windowed(workload, replay, clock_mhz, meter, workload.agree)
 
     def measure_batch(
         self, workloads: Sequence[Workload], clock_mhz: int, agree: Agree | None = None,
@@ -332,18 +353,18 @@ class NvmlGPU(Device, Closing):
         as by ``measure``."""
         for caps in resources or ():
             self._refuse_caps(caps)
-        runs = [self._run_of(workload) for workload in workloads]
+        replays = self._replays(workloads, agree)
         if not self.estimates_error:
             meter = self.meter.lengthened(self.fallback_window_s)
             return [
-                self._windowed(w, clock_mhz, meter, agree if agree is not None else w.agree)
-                for w in workloads
+                self._windowed(w, r, clock_mhz, meter, agree if agree is not None else w.agree)
+                for w, r in zip(workloads, replays, strict=True)
             ]
         behaviour = self.counter_behaviour()
         switching = self._switching(clock_mhz)
         locked = self._at_clock("measure:batch", clock_mhz, settle=False)
         result = self.meter.measure_many(
-            runs,
+            [replay.run for replay in replays],
             agree,
             batch_seed([workload.name for workload in workloads]),
             period_s=behaviour.update_period_s,
@@ -358,7 +379,8 @@ class NvmlGPU(Device, Closing):
                 static_power_w=self._static_power_w,
                 clock_mhz=clock_mhz,
                 method="nvml-multiplexed",
-                details={**multiplexed_details(estimate, result, v), "clock_locked": locked},
+                details={**multiplexed_details(estimate, result, v), "clock_locked": locked,
+                         "replayed": float(replays[v].replayed)},
             )
             for v, estimate in enumerate(result.estimates)
         ]
@@ -393,8 +415,9 @@ class NvmlGPU(Device, Closing):
 
     def check(self, workload: Workload, clock_mhz: int) -> Measurement:
         """One window of at least ``CHECK_WINDOW_S``, measured apart from any batch."""
+        (replay,) = self._replays([workload], workload.agree)
         return self._windowed(
-            workload, clock_mhz, self.meter.lengthened(CHECK_WINDOW_S), workload.agree
+            workload, replay, clock_mhz, self.meter.lengthened(CHECK_WINDOW_S), workload.agree
         )
 
     def _run_of(self, workload: Workload) -> Callable[[], object]:
@@ -403,6 +426,35 @@ class NvmlGPU(Device, Closing):
                 workload.name, "run()", "the NVML device measures by running it"
             )
         return workload.run
+
+    def _replays(self, workloads: Sequence[Workload], agree: Agree | None) -> list[Replay]:
+        """What each of ``workloads`` runs while measured (``nvml.replay``): its CUDA graph's
+        replay where the device replays and every rank running it together captured it,
+        the batch's graphs in one memory pool; else the workload's run, said once per
+        reason."""
+        runs = [self._run_of(workload) for workload in workloads]
+        if self._graphs is None:
+            off = Eager(EagerKind.OFF, "the device does not replay")
+            return [Replay(run, off) for run in runs]
+        pool = self._graphs.graph_pool_handle()
+        replays = []
+        for workload, run in zip(workloads, runs, strict=True):
+            replay = agreed(
+                replayable(run, self._graphs, pool=pool, collectives=workload.world_size > 1,
+                           nccl=self._nccl),
+                run, agree if agree is not None else workload.agree,
+            )
+            if replay.eager is not None:
+                self._say_eager(workload, replay.eager)
+            replays.append(replay)
+        return replays
+
+    def _say_eager(self, workload: Workload, eager: Eager) -> None:
+        """Say why ``workload`` is measured eagerly: a warning the first time for a reason."""
+        log = logger.debug if eager.kind in self._eager_said else logger.warning
+        self._eager_said.add(eager.kind)
+        log("%s: %s is measured without CUDA-graph replay (its time holds the gaps between "
+            "its kernel launches): %s", self.name, workload.name, eager)
 
     def _requested(self, clock_mhz: int) -> int:
         """What the controller is asked for at ``clock_mhz``: the default clocks where the
@@ -430,14 +482,14 @@ class NvmlGPU(Device, Closing):
     def _windowed(
         self,
         workload: Workload,
+        replay: Replay,
         clock_mhz: int,
         meter: NvmlEnergyMeter,
         agree: Agree | None,
     ) -> Measurement:
-        """One window of ``workload`` at ``clock_mhz`` by ``meter``."""
-        run = self._run_of(workload)
+        """One window of ``workload`` (run as ``replay``) at ``clock_mhz`` by ``meter``."""
         locked = self._at_clock(f"measure:{workload.name}", clock_mhz)
-        window = meter.measure(run, agree)
+        window = meter.measure(replay.run, agree)
         return Measurement(
             time_s=window.time_s,
             energy_j=window.run_energy_j,
@@ -448,6 +500,7 @@ class NvmlGPU(Device, Closing):
                 **window.details(),
                 "min_window_s": meter.min_window_s,
                 "clock_locked": locked,
+                "replayed": float(replay.replayed),
             },
         )
 
