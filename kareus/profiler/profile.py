@@ -24,6 +24,8 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from kareus.devices.base import Device, Measurement, Resources, Workload
 from kareus.passes.analyse import GraphAnalysis
 from kareus.passes.collectives import find_collectives
@@ -242,12 +244,18 @@ def _outside_the_compile(
     any of that state, so variants run on real tensors whatever the compile had active.
     The searches use the caller's store: one thread uses it at a time, since the caller
     waits, and one store per graph finds a locked file (and says so) once, not per count.
+    The thread takes the caller's CUDA device: torch keeps the current device per thread,
+    and a new one starts on device 0, where the variants' streams, CUDA events and
+    synchronizes would miss the work of a rank that trains on another GPU.
     """
     result: list[list[tuple[PartitionProfile, ...]]] = []
     failure: list[BaseException] = []
+    device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
 
     def run() -> None:
         try:
+            if device is not None:
+                torch.cuda.set_device(device)
             result.append(searches())
         except BaseException as exc:  # noqa: BLE001 - re-raised on the compiling thread
             failure.append(exc)

@@ -428,3 +428,24 @@ def test_graphs_searched_together_share_rounds_and_find_what_each_finds_alone(
                                                  prefix="twice")
     assert [p.frontier for p in first] == [p.frontier for p in second]
     assert sum(p.measured for p in first) > 0 and sum(p.measured for p in second) == 0
+
+
+@pytest.mark.parametrize("cuda", [True, False])
+def test_searches_run_on_the_callers_cuda_device(monkeypatch, cuda):
+    """torch keeps the current CUDA device per thread: the searches' thread takes the
+    compiling thread's, else its streams, events and synchronizes would be device 0's."""
+    import threading
+
+    local = threading.local()  # each thread's current device, as CUDA keeps it
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: getattr(local, "device", 0))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: setattr(local, "device", d))
+    torch.cuda.set_device(3)  # the rank's GPU, set on the compiling thread
+    seen = []
+
+    def searches():
+        seen.append((threading.current_thread().name, torch.cuda.current_device()))
+        return [()]
+
+    assert profiling._outside_the_compile(searches) == [()]
+    assert seen == [("kareus-profile", 3 if cuda else 0)]
