@@ -71,6 +71,7 @@ def _worker(rank, port, out_dir, cache_dir, case):
 
     from kareus.devices.nvml.counter import CounterBehaviour
     from kareus.devices.nvml.gpu import NvmlGPU
+    from kareus.devices.nvml.multiplex import MultiplexPolicy
     from kareus.planner.budget import BudgetError
     from kareus.profiler.store import ProfileStore
 
@@ -85,7 +86,8 @@ def _worker(rank, port, out_dir, cache_dir, case):
         # the counter as a probe finds a continuous one (tests/devices/test_counter.py)
         counter = CounterBehaviour(fake.gpus[0].name, "fake", 0.001, True, 0.0, 0.0)
         gpu = NvmlGPU(nvml_module=fake, cuda=False, min_window_s=0.05, settle_s=0.0,
-                      reset_at_exit=False, counter=counter)
+                      reset_at_exit=False, counter=counter,
+                      multiplexing=MultiplexPolicy(block_s=0.03, max_block_s=0.05))
         results = {"search_clocks": gpu.search_clocks()}
         if rank == 1 and case == "first":
             time.sleep(2.0)  # the slow rank: the other waits for it at every exchange
