@@ -19,7 +19,11 @@ script measures:
    single-window reference of each: the counter's power between two of its updates, well
    inside a stretch of that variant alone, so neither its lag nor its period matters;
 5. today's protocol (a 0.1 s settle, then ``NvmlEnergyMeter.measure`` with windows of at
-   least 0.5 s, 3 times, medians) against the same references.
+   least 0.5 s, 3 times, medians) against the same references;
+6. CUDA-graph replay (``kareus.devices.nvml.replay``, as ``NvmlGPU`` measures): each
+   variant's CUDA-event time per run eager and replayed, and an NCCL all-reduce and a
+   functional one (as compiled graphs issue them; a group of this process alone) captured
+   and replayed.
 
 Nothing here may change the GPU: the NVML module is wrapped so that every setter
 (``nvmlDeviceSet*``, ``nvmlDeviceReset*``, ``nvmlDeviceClear*``, any function
@@ -64,6 +68,7 @@ from kareus.devices.errors import CounterProbeError
 from kareus.devices.nvml import counter as counter_module
 from kareus.devices.nvml.energy import NvmlEnergyMeter
 from kareus.devices.nvml.multiplex import TickRecorder, run_timed, runs_to_fill
+from kareus.devices.nvml.replay import CudaGraphs, nccl_version, replayable
 
 FAKE_NOTE = "no GPU: fake counters, not a measurement"
 OUT = Path(__file__).resolve().parent / "results" / "nvml_counter_check.json"
@@ -294,6 +299,70 @@ def protocol(rig: Rig, run: Callable[[], object], repeats: int, window_s: float,
         "windows": [{"runs": w.runs, "wall_s": w.wall_s, "energy_j": w.energy_j,
                      "time_s": w.time_s} for w in windows],
     }
+
+
+def replay_times(variants: dict[str, Callable[[], object]], cuda: CudaGraphs,
+                 timer: Callable[[], float], *, timed: bool, runs: int = 20,
+                 collectives: bool = False) -> dict[str, dict[str, Any]]:
+    """Section 6: each variant captured and replayed as ``NvmlGPU`` measures it, and its
+    time per run (CUDA events where ``timed``, else wall), eager and replayed: the launch
+    gaps replay removes; why it runs eagerly where it cannot be captured."""
+    pool = cuda.graph_pool_handle()
+    out = {}
+    for name, run in variants.items():
+        replay = replayable(run, cuda, pool=pool, collectives=collectives,
+                            nccl=nccl_version())
+        row: dict[str, Any] = {"replayed": replay.replayed,
+                               "eager": None if replay.eager is None else str(replay.eager)}
+        for how, call in (("eager", run), ("replay", replay.run)):
+            if how == "replay" and not replay.replayed:
+                continue
+            run_timed(call, 3, timer, timed)
+            start, end, stream_s = run_timed(call, runs, timer, timed)
+            row[f"{how}_ms"] = 1000.0 * (stream_s if stream_s is not None else end - start) / runs
+        out[name] = row
+    return out
+
+
+def nccl_variants(device: torch.device) -> dict[str, Callable[[], object]] | str:
+    """An NCCL all-reduce of 64 MiB and the functional one compiled graphs issue, in a
+    process group of this process alone (its NCCL runs them as on a node's group); why
+    not, where torch has no NCCL."""
+    import torch.distributed as dist
+
+    if not dist.is_nccl_available():
+        return "torch has no NCCL"
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
+                                device_id=device)
+    x = torch.ones(1 << 24, device=device)
+    group = dist.group.WORLD.group_name
+
+    def all_reduce() -> None:
+        dist.all_reduce(x)
+
+    def functional() -> None:
+        ops = torch.ops._c10d_functional
+        ops.wait_tensor(ops.all_reduce(x, "sum", group))
+
+    return {"nccl_all_reduce_64mib": all_reduce, "funcol_all_reduce_64mib": functional}
+
+
+def replay_check(rig: Rig) -> dict[str, Any]:
+    """Section 6 on this GPU: the synthetic variants, then the collectives."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    out = {"variants": replay_times(rig.variants, torch.cuda, rig.timer, timed=True),
+           "nccl": ".".join(map(str, nccl_version() or ())) or None}
+    collectives = nccl_variants(device)
+    if isinstance(collectives, str):
+        out["collectives"] = collectives
+    else:
+        try:
+            out["collectives"] = replay_times(collectives, torch.cuda, rig.timer, timed=True,
+                                              collectives=True)
+        finally:
+            torch.distributed.destroy_process_group()
+    return out
 
 
 # -- analysis: pure functions of what was acquired --------------------------------------
@@ -624,8 +693,9 @@ def check_gpu(settings: Settings) -> dict[str, Any]:
         period_s = counters[0]["update_period_ms"] / 1000.0
         estimates = estimate(rig, settings, period_s, counters[0]["update_noise_mj"],
                              counters[0]["lag_s"])
+        replay = replay_check(rig)
     return {"fake": False, "note": None, "device": rig.label, "gpu": rig.gpu,
-            "driver": rig.driver, "counters": counters, **estimates,
+            "driver": rig.driver, "counters": counters, **estimates, "replay": replay,
             "setters_refused": [*nvml.refused, *refused]}
 
 
@@ -641,6 +711,7 @@ def check_fake(settings: Settings) -> dict[str, Any]:
     return {"fake": True, "note": FAKE_NOTE, "device": f"fake NVML ({FAKE_NOTE})",
             "gpu": live.gpu, "driver": live.driver, "counters": counters,
             "estimates_on": live.label, **estimates,
+            "replay": {"skipped": "no GPU: a CUDA graph needs one"},
             "setters_refused": [*refused, *live.nvml.refused]}
 
 
@@ -732,7 +803,30 @@ def tables(result: dict[str, Any]) -> list[Table]:
     t.caption = (f"references took {result['references_s']:.1f} s; setters refused: "
                  f"{result['setters_refused'] or 'none'}; whole check {result['elapsed_s']:.1f} s")
     out.append(t)
+    out.append(replay_table(result["replay"]))
     return out
+
+
+def replay_table(replay: dict[str, Any]) -> Table:
+    """Section 6: ms per run, eager and replayed, or why a variant is not replayed."""
+    nccl = f", NCCL {replay['nccl']}" if replay.get("nccl") else ""
+    t = Table(title=f"CUDA-graph replay: ms per run (CUDA events){nccl}", title_justify="left")
+    for column in ("variant", "eager ms", "replay ms", "gap removed", "eager because"):
+        t.add_column(column, justify="right" if column.endswith(("ms", "removed")) else "left")
+    if "skipped" in replay:
+        t.add_row(replay["skipped"], "", "", "", "")
+        return t
+    rows = dict(replay["variants"])
+    if isinstance(replay["collectives"], str):
+        t.caption = f"collectives not captured: {replay['collectives']}"
+    else:
+        rows.update(replay["collectives"])
+    for name, row in rows.items():
+        gap = (None if row.get("replay_ms") is None
+               else 100.0 * (1.0 - row["replay_ms"] / row["eager_ms"]))
+        t.add_row(name, _f(row["eager_ms"], ".3f"), _f(row.get("replay_ms"), ".3f"),
+                  _f(gap, "+.1f", "%"), row["eager"] or "")
+    return t
 
 
 def _mj(joules: float | None) -> float | None:

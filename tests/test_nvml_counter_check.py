@@ -5,12 +5,15 @@ and multiplexed estimates on the continuous one close to the long references).""
 from __future__ import annotations
 
 import json
+import time
 
 import nvml_counter_check as ncc  # benchmarks/ is on the path (conftest)
 import pynvml
 import pytest
+from fake_cuda import FakeCudaGraphs
 from fake_pynvml import FakeNvml, opened
 from gpu_measure import NvmlSetterError
+from rich.console import Console
 
 
 @pytest.mark.parametrize(
@@ -84,3 +87,34 @@ def test_the_no_gpu_path_runs_end_to_end_on_fake_counters(tmp_path, capsys) -> N
         assert abs(est["energy_error_pct"]) < 8.0, (name, est)
     assert all(p["energy_error_pct"] is not None
                for p in result["protocol"]["estimates"].values())
+    assert result["replay"] == {"skipped": "no GPU: a CUDA graph needs one"}
+
+
+def test_replay_times_show_the_launch_gaps_a_replay_removes() -> None:
+    """Section 6 on the stand-in graph API: a variant whose host code is slower than its
+    kernel is faster replayed; one whose capture fails says why and has no replay time."""
+    cuda = FakeCudaGraphs()
+
+    def launched(host_s: float, kernel_s: float):
+        def run() -> None:
+            time.sleep(host_s)  # the host's launch overhead: not in a replay
+            cuda.launch(lambda: time.sleep(kernel_s))
+        return run
+
+    rows = ncc.replay_times({"host_bound": launched(0.004, 0.001)}, cuda, time.perf_counter,
+                            timed=False, runs=5)
+    row = rows["host_bound"]
+    assert row["replayed"] and row["eager"] is None
+    assert row["replay_ms"] < 0.5 * row["eager_ms"]
+    failing = FakeCudaGraphs(fail="operation not permitted when stream is capturing")
+    rows = ncc.replay_times({"sync": lambda: None}, failing, time.perf_counter, timed=False,
+                            runs=2)
+    assert rows["sync"]["eager"].startswith("its capture failed: RuntimeError: operation")
+    assert "replay_ms" not in rows["sync"]
+    table = ncc.replay_table({"variants": {**rows, "host_bound": row}, "nccl": "2.27.3",
+                              "collectives": "torch has no NCCL"})
+    console = Console(width=200, record=True)
+    console.print(table)
+    text = console.export_text()
+    assert "NCCL 2.27.3" in text and "collectives not captured: torch has no NCCL" in text
+    assert "its capture failed" in text
