@@ -46,6 +46,8 @@ HiGHS's absolute gap of 1e-6 is about 1e-11 of the optimum; each solution's cost
 recomputed exactly from its choices. A solve HiGHS stops before proving optimality (its
 time limit) raises ``PipelineSolveError`` unless the best plan found is asked for
 (``best_found``, its proven gap stated): a plan is never returned with its gap unsaid.
+Where that gap is above ``pipeline_large.GAP`` the plan is lowered by the large DAGs'
+descents and its gap taken against the rank bound too, where that is higher.
 
 Every budget is one program (``solve_budget``): the fastest plan minimises T (then, of
 those, E); least energy within a time bounds T; the fastest within an energy adds E, being
@@ -438,8 +440,8 @@ class PipelinePoint:
     effective_energy_j: float
     choices: tuple[Any, ...]
     gap: float = 0.0
-    """0: proven optimal; else the relative gap HiGHS had proven when ``max_solve_s`` ran
-    out and the best plan found was kept (``best_found``)."""
+    """0: proven optimal; else the relative gap proven when ``max_solve_s`` ran out and the
+    best plan found was kept (``best_found``; a large DAG's always)."""
 
 
 def least_energy(
@@ -908,7 +910,7 @@ class _Solver:
         None where no plan meets them."""
         if self.large:
             return self._solve_large(weights, limit_s, limit_j)
-        result, _ = self._run(weights, limit_s, limit_j)
+        result, unit = self._run(weights, limit_s, limit_j)
         if result.status == 2:
             return None
         gap_found = result.get("mip_gap")
@@ -929,8 +931,29 @@ class _Solver:
         point = _evaluate(self.dag, self.model, picks)
         if result.status == 0:
             return point
-        return dataclasses.replace(
-            point, gap=float(gap_found if gap_found is not None else math.inf))
+        if self.shared:
+            return dataclasses.replace(
+                point, gap=float(gap_found if gap_found is not None else math.inf))
+        dual = result.get("mip_dual_bound")
+        bound = dual * unit if dual is not None and math.isfinite(dual) else -math.inf
+        return self._tightened(point, weights, limit_s, limit_j, bound)
+
+    def _tightened(self, plan: PipelinePoint, weights: Weights, limit_s: float | None,
+                   limit_j: float | None, bound: float) -> PipelinePoint:
+        """A plan HiGHS found but did not prove, with ``bound`` (its dual bound): where
+        their gap is above ``GAP``, also planned the large way, which weighs this plan
+        among its candidates and often proves what HiGHS has not in its time; the better
+        plan, against the higher bound."""
+        value = weights.of(plan.time_s, plan.energy_j)
+        if gap(value, bound) > GAP:
+            self.known.append(plan)
+            large = self._solve_large(weights, limit_s, limit_j)
+            if large is not None:
+                large_value = weights.of(large.time_s, large.energy_j)
+                bound = max(bound, large_value * (1 - large.gap))
+                if large_value < value:
+                    plan, value = large, large_value
+        return dataclasses.replace(plan, gap=gap(value, bound))
 
     def _solve_large(self, weights: Weights, limit_s: float | None, limit_j: float | None
                      ) -> PipelinePoint | None:

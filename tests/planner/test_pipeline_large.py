@@ -10,6 +10,7 @@ import random
 
 import numpy as np
 import pytest
+from scipy.optimize import OptimizeResult
 from test_pipeline_dag import _brute_force, _case, _least
 
 from kareus.planner.compose import FrontierPoint
@@ -29,7 +30,7 @@ from kareus.planner.pipeline import (
     side_by_side,
 )
 from kareus.planner.pipeline_descent import Timing, descend, sweep
-from kareus.planner.pipeline_large import EXACT_INSTRUCTIONS, RankBound, hull
+from kareus.planner.pipeline_large import EXACT_INSTRUCTIONS, GAP, RankBound, hull
 
 P = FrontierPoint
 
@@ -263,6 +264,38 @@ def test_best_first_relabels_reach_what_stepwise_relabels_miss():
             assert lowered[1] > exact * (1 + above)
     large = least_energy(dag, options, time_limit_s=limit, model=model, exact_up_to=0)
     assert large.energy_j == pytest.approx(exact, rel=1e-9)
+
+
+@pytest.mark.parametrize("dual_gap", [1.0, 0.005])
+def test_a_plan_highs_did_not_prove_is_lowered_and_bounded_by_the_rank_bound(
+    monkeypatch, dual_gap
+):
+    """HiGHS ran out of time on a small DAG with a plan (every instruction at its
+    fastest) and its dual bound: where their gap is above ``GAP`` the plan is lowered by
+    the descents and bounded by the rank bound too, the stated gap holding; within
+    ``GAP`` it is kept as HiGHS found it."""
+    dag, options, model, timing, quick = _at_fastest(3, 6, heavy=2)
+    limit = timing.cost(quick)[0] * 1.02
+    exact = least_energy(dag, options, time_limit_s=limit, model=model).energy_j
+    solver = _Solver(dag, options, model, max_solve_s=60.0, best_found=True)
+    x = np.zeros(len(solver.upper))
+    for cols, k in zip(solver.columns, quick):
+        x[cols[k]] = 1.0
+    found = _evaluate(dag, model, [o[k] for o, k in zip(solver.options, quick)]).energy_j
+
+    def out_of_time(weights, limit_s, limit_j, integral=True):
+        return OptimizeResult(status=1, x=x, message="time limit reached",
+                              mip_gap=dual_gap, mip_dual_bound=found * (1 - dual_gap)
+                              / solver.energy_unit), solver.energy_unit
+
+    monkeypatch.setattr(solver, "_run", out_of_time)
+    point = solver.least_energy(limit)
+    assert point.time_s <= limit * (1 + 1e-12)
+    if dual_gap > GAP:
+        assert point.energy_j == pytest.approx(exact, rel=1e-9)  # the descents reach it
+        assert point.gap < 0.05 and _holds(point, exact)  # by the rank bound
+    else:  # (the stand-in's dual bound is above the optimum: only HiGHS's word is taken)
+        assert point.energy_j == pytest.approx(found) and point.gap == pytest.approx(dual_gap)
 
 
 def test_methods_of_equal_options_are_solved_once(monkeypatch):
