@@ -947,7 +947,10 @@ class _Solver:
         value = weights.of(plan.time_s, plan.energy_j)
         if gap(value, bound) > GAP:
             self.known.append(plan)
-            large = self._solve_large(weights, limit_s, limit_j)
+            try:
+                large = self._solve_large(weights, limit_s, limit_j)
+            except PipelineSolveError:  # none of its own in its time: HiGHS's stands
+                large = None
             if large is not None:
                 large_value = weights.of(large.time_s, large.energy_j)
                 bound = max(bound, large_value * (1 - large.gap))
