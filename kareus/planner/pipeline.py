@@ -46,8 +46,9 @@ HiGHS's absolute gap of 1e-6 is about 1e-11 of the optimum; each solution's cost
 recomputed exactly from its choices. A solve HiGHS stops before proving optimality (its
 time limit) raises ``PipelineSolveError`` unless the best plan found is asked for
 (``best_found``, its proven gap stated): a plan is never returned with its gap unsaid.
-Where that gap is above ``pipeline_large.GAP`` the plan is lowered by the large DAGs'
-descents and its gap taken against the rank bound too, where that is higher.
+Where that gap is above ``pipeline_large.GAP`` the solve is also planned the large way
+(``planner.pipeline_large``: its descents and bounds), HiGHS's plan among its candidates:
+the better plan is kept, against the higher bound.
 
 Every budget is one program (``solve_budget``): the fastest plan minimises T (then, of
 those, E); least energy within a time bounds T; the fastest within an energy adds E, being

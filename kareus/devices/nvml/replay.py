@@ -21,6 +21,8 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import torch
+
 NCCL_CAPTURES = (2, 9, 6)
 """The first NCCL that captures collectives into CUDA graphs."""
 
@@ -132,8 +134,6 @@ def agreed(replay: Replay, run: Callable[[], object],
 
 def nccl_version() -> tuple[int, ...] | None:
     """The NCCL torch was built with; None where it has none (a CPU build)."""
-    import torch
-
     try:
         version = torch.cuda.nccl.version()
     except (AttributeError, RuntimeError):
