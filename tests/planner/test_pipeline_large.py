@@ -298,6 +298,28 @@ def test_a_plan_highs_did_not_prove_is_lowered_and_bounded_by_the_rank_bound(
         assert point.energy_j == pytest.approx(found) and point.gap == pytest.approx(dual_gap)
 
 
+def test_a_plan_highs_did_not_prove_stands_where_the_large_way_finds_none(monkeypatch):
+    """The large way re-plans a small DAG HiGHS left above ``GAP``; where it finds no plan
+    of its own (``PipelineSolveError``), HiGHS's plan is returned with HiGHS's gap."""
+    dag, options, model, timing, quick = _at_fastest(3, 6, heavy=2)
+    limit = timing.cost(quick)[0] * 1.02
+    solver = _Solver(dag, options, model, max_solve_s=60.0, best_found=True)
+    x = np.zeros(len(solver.upper))
+    for cols, k in zip(solver.columns, quick):
+        x[cols[k]] = 1.0
+    found = _evaluate(dag, model, [o[k] for o, k in zip(solver.options, quick)]).energy_j
+    monkeypatch.setattr(solver, "_run", lambda *a, **k: (OptimizeResult(
+        status=1, x=x, message="time limit reached", mip_gap=0.2,
+        mip_dual_bound=found * 0.8 / solver.energy_unit), solver.energy_unit))
+
+    def none_found(*args):
+        raise PipelineSolveError("no plan of its own")
+
+    monkeypatch.setattr(solver, "_solve_large", none_found)
+    point = solver.least_energy(limit)
+    assert point.energy_j == pytest.approx(found) and point.gap == pytest.approx(0.2)
+
+
 def test_methods_of_equal_options_are_solved_once(monkeypatch):
     """Nanobatching that pays nowhere leaves three methods one program: it is solved once
     and every one of them gets its frontier."""
