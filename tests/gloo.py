@@ -1,11 +1,12 @@
 """What the multi-process tests share: a block with one all-reduce, and a run of ranks.
 
-``run_ranks(worker, *args)`` starts ``worker(rank, port, out_dir, *args)`` in 2 spawned
+``run_ranks(worker, *args)`` starts ``worker(rank, port, out_dir, *args)`` in 2 fresh
 gloo-ready processes; each rank writes its result with ``report(out_dir, rank, result)``
 and the results come back in rank order. A worker that got that far ends with
-``leave()``.
+``leave()``. Every multi-process test starts its ranks with ``start_ranks``.
 """
 
+import multiprocessing
 import os
 import pickle
 import socket
@@ -44,14 +45,50 @@ def leave() -> None:
     os._exit(0)
 
 
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch._inductor.compile_fx",
+           "kareus", "transformers")
+"""What the ranks' parent process imports once: each rank is forked from it, so a run of
+ranks pays no imports (spawned, 6-10 s a run on 2 cores; the multi-process test files took
+13:44 spawned, 7:30 forked). A module that is not installed is skipped."""
+
+
+def start_ranks(worker: Callable[..., None], args: tuple[Any, ...], nprocs: int = 2,
+                join: bool = True) -> mp.ProcessContext | None:
+    """``torch.multiprocessing.start_processes(worker, args, nprocs, join)``, each rank
+    forked from a server that has imported ``PRELOAD`` (``forkserver``) and given the
+    caller's environment as it is now: the server keeps the environment it started with,
+    and tests set theirs (``KAREUS_CACHE_DIR`` per test)."""
+    multiprocessing.set_forkserver_preload(list(PRELOAD))  # read when the server starts
+    return _START_PROCESSES(_in_environment, args=(dict(os.environ), worker, *args),
+                            nprocs=nprocs, join=join, start_method="forkserver")
+
+
+_START_PROCESSES = mp.start_processes
+"""torch's, kept where a test puts ``start_ranks`` in its place (``fork_the_demo``)."""
+
+
+def fork_the_demo(monkeypatch) -> None:
+    """The demo's ranks started by ``start_ranks``: the same workers and arguments, forked
+    instead of spawned (the demo's own spawn is tested by tests/test_cli.py)."""
+    def start(worker, args=(), nprocs=1, join=True, daemon=False, start_method="spawn"):
+        return start_ranks(worker, args, nprocs, join)
+
+    monkeypatch.setattr(mp, "start_processes", start)
+
+
+def _in_environment(rank: int, environ: dict[str, str], worker: Callable[..., None],
+                    *args: Any) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
+    worker(rank, *args)
+
+
 def run_ranks(worker: Callable[..., None], *args: Any, nprocs: int = 2) -> list[Any]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(
-            worker, args=(port, out, *args), nprocs=nprocs, start_method="spawn"
-        )
+        start_ranks(worker, (port, out, *args), nprocs)
         return [pickle.loads(Path(out, str(r)).read_bytes()) for r in range(nprocs)]
 
 

@@ -1,11 +1,17 @@
 """End to end on 2 gloo processes: the kareus-compiled TP Llama trains like eager."""
 
 import pytest
+from gloo import fork_the_demo
 
 from kareus.demo import DemoConfig, run
 from kareus.models.llama import LlamaConfig
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def forked(monkeypatch):
+    fork_the_demo(monkeypatch)
 
 
 @pytest.mark.parametrize(  # with Inductor: the zoo's Llamas (TP and SP), tests/test_backend.py

@@ -1,8 +1,8 @@
 """Ranks agree on compile-time decisions through the store, never hanging.
 
-The multi-process tests share one spawned session of 2 gloo ranks (spawning costs seconds on
-this CPU): the scenarios run one after another, separated by a store barrier, each under its
-own graph key, and every test checks the results of one scenario.
+The multi-process tests share one session of 2 gloo ranks (``gloo.start_ranks``): the
+scenarios run one after another, separated by a store barrier, each under its own graph
+key, and every test checks the results of one scenario.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo import start_ranks
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.distributed_c10d import _get_default_store
 
@@ -158,9 +158,7 @@ def session() -> list[dict]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as out:
-        context = mp.start_processes(
-            _session, args=(port, out), nprocs=2, start_method="spawn", join=False
-        )
+        context = start_ranks(_session, (port, out), join=False)
         deadline = time.monotonic() + SESSION_LIMIT_S
         while not context.join(timeout=max(0.1, deadline - time.monotonic())):
             if time.monotonic() >= deadline:

@@ -4,8 +4,9 @@
 options dict in turn: resets Dynamo and kareus's report registry, builds a compiled copy
 and an eager copy of the model (identical weights), trains both ``steps`` SGD steps on the
 same batches, and records per step the two losses and the largest difference between any
-parameter's gradients, then the graph reports kareus recorded. One spawn for many option
-sets amortises process start and library imports (about 10 s per model).
+parameter's gradients, then the graph reports kareus recorded. The ranks are forked from a
+server that has imported the libraries once (``gloo.start_ranks``); one spawn runs many
+option sets.
 
 A failure in one option set is recorded (with its traceback) and the next option set
 runs. The whole spawn is bounded by ``timeout_s``: shortly before it, a watchdog thread in
@@ -31,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from gloo import start_ranks
 from torch.distributed.tensor import DTensor
 
 WORLD_SIZE = 2
@@ -91,15 +93,12 @@ def run_zoo(
         port = _free_port()
         # The ranks write what they have (and where they are stuck) shortly before the kill.
         snapshot_at = time.time() + max(timeout_s - 15.0, 0.8 * timeout_s)
-        context = mp.start_processes(
+        context = start_ranks(
             _worker,
-            args=(
-                model_name, options_list, steps, port, tmp, collective_timeout_s, isolate,
-                snapshot_at,
-            ),
-            nprocs=WORLD_SIZE,
+            (model_name, options_list, steps, port, tmp, collective_timeout_s, isolate,
+             snapshot_at),
+            WORLD_SIZE,
             join=False,
-            start_method="spawn",
         )
         failure = _join(context, timeout_s)
         return _collect(model_name, options_list, tmp, failure)

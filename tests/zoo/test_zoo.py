@@ -39,9 +39,10 @@ K2_PLANNED = {"nanobatches": 2, "lowering": "eager", **SEARCH}
 # Profiling that runs every variant it measures (the simulator only costs their graphs).
 K2_MEASURED = {**K2_PLANNED, "search_budget": 2, FAKE_NVML: True}
 
-# Kept small for the 2-core CI budget; still 6.4 minutes on 2 cores (2026-12-07): a spawn per
-# model, 19-40 s for a planned eager-lowering set alone, 65-75 s with an Inductor set beside
-# it, 73 s for the padded Llama measured on the fake NVML. Here:
+# Kept small for the 2-core CI budget; still 5.6 minutes on 2 cores (2026-12-07): a spawn per
+# model (its ranks forked, the libraries imported once: tests/gloo.py), 17-47 s for a planned
+# eager-lowering set alone, 44-45 s with an Inductor set beside it, 67 s for the padded
+# Llama measured on the fake NVML. Here:
 # Inductor at k = 2 for torchtitan's and transformers' Llama, and planning (eager
 # lowering, k = 2; measured through the fake NVML for the padded Llama) for every model;
 # k = 4 with eager lowering: tests/test_e2e_gloo.py.
