@@ -52,6 +52,10 @@ ranks pays no imports (spawned, 6-10 s a run on 2 cores; the multi-process test 
 13:44 spawned, 7:30 forked). A module that is not installed is skipped."""
 
 
+_START_PROCESSES = mp.start_processes
+"""torch's, kept where a test puts ``start_ranks`` in its place (``fork_the_demo``)."""
+
+
 def start_ranks(worker: Callable[..., None], args: tuple[Any, ...], nprocs: int = 2,
                 join: bool = True) -> mp.ProcessContext | None:
     """``torch.multiprocessing.start_processes(worker, args, nprocs, join)``, each rank
@@ -61,10 +65,6 @@ def start_ranks(worker: Callable[..., None], args: tuple[Any, ...], nprocs: int 
     multiprocessing.set_forkserver_preload(list(PRELOAD))  # read when the server starts
     return _START_PROCESSES(_in_environment, args=(dict(os.environ), worker, *args),
                             nprocs=nprocs, join=join, start_method="forkserver")
-
-
-_START_PROCESSES = mp.start_processes
-"""torch's, kept where a test puts ``start_ranks`` in its place (``fork_the_demo``)."""
 
 
 def fork_the_demo(monkeypatch) -> None:
