@@ -87,7 +87,7 @@ from kareus.errors import KareusError
 from kareus.interrupts import raise_if_interrupted
 from kareus.planner.budget import Budget, BudgetError, asked, limit_of
 from kareus.planner.compose import FrontierPoint, Switch, clock_of, fronts_by
-from kareus.planner.pipeline_descent import Timing, descend
+from kareus.planner.pipeline_descent import Moves, Timing, descend
 from kareus.planner.pipeline_large import (
     EXACT_INSTRUCTIONS,
     GAP,
@@ -994,15 +994,18 @@ class _Solver:
                 "allow it more time (max_solve_s) or give a looser limit"
             )
         # the best found lowered in both orders of relabels, and every instruction at its
-        # fastest best first: each reaches plans the others do not (``pipeline_descent``)
+        # fastest best first: each reaches plans the others do not; the best of them then
+        # merged (``pipeline_descent``)
         def order(p: PipelinePoint) -> tuple[float, float]:
             return weights.of(p.time_s, p.energy_j), p.time_s
 
         start = min(found, key=order)
-        descents = [(start, False), (start, True)]
-        descents += [(p, True) for p in found if p is parts.quickest and p is not start]
-        best = min((self._lower(p, weights, limit_s, limit_j, best_first)
-                    for p, best_first in descents), key=order)
+        descents: list[tuple[PipelinePoint, Moves]] = [(start, "stepwise"),
+                                                        (start, "best_first")]
+        descents += [(p, "best_first") for p in found if p is parts.quickest and p is not start]
+        best = min((self._lower(p, weights, limit_s, limit_j, moves) for p, moves in descents),
+                   key=order)
+        best = self._lower(best, weights, limit_s, limit_j, "merge")
         value = weights.of(best.time_s, best.energy_j)
         if gap(value, bound) > GAP and weights == ENERGY and limit_s is not None and (
                 limit_j is None):
@@ -1011,16 +1014,16 @@ class _Solver:
         return dataclasses.replace(best, gap=gap(value, bound))
 
     def _lower(self, plan: PipelinePoint, weights: Weights, limit_s: float | None,
-               limit_j: float | None, best_first: bool = True) -> PipelinePoint:
-        """``plan`` lowered by ``pipeline_descent`` within the limits, its relabels best
-        first or stepwise (``plan`` itself where it holds a choice that is none of this
-        program's options: another method's)."""
+               limit_j: float | None, moves: Moves) -> PipelinePoint:
+        """``plan`` lowered by ``pipeline_descent``'s ``moves`` within the limits (``plan``
+        itself where it holds a choice that is none of this program's options: another
+        method's)."""
         timing = self.parts.timing
         start = timing.plan_of(plan.choices)
         if start is None:
             return plan
         lowered = descend(timing, start, lambda cost: weights.of(*cost), limit_s, limit_j,
-                          best_first)
+                          moves)
         if lowered == start:
             return plan
         point = _evaluate(self.dag, self.model,

@@ -16,7 +16,8 @@ large DAG is planned in steps whose cost grows gently with it:
    instruction moved into its slack), every move checked by the exact cost, with its
    relabels tried in two orders; every instruction at its fastest is lowered too, best
    first (where the program's plan has slowed whole stages, it is often the better
-   start).
+   start). The best of those descents then merges spans of filling and draining
+   instructions into their neighbours' clocks.
 2. **The bound: the relaxation without switches.** The full program's linear relaxation
    with every clock switch free and only each (stage, kind)'s lower convex hull of
    options (``hull``: the only ones a relaxation mixes): about a second for 2048
@@ -31,11 +32,13 @@ Each plan states ``(its value - the best bound) / its value`` as its proven gap.
 gap is large, it is near the fastest time: there the optimum runs a stage's filling and
 draining instructions on other clocks than its steady state, which shared options cannot
 and the descent reaches in part, and the bounds charge each rank its own slack as if no
-other used it; the plan's time is still proven shortest. Llama 3.1 70B on a simulated
-H100: at 4 stages x 16 microbatches, 0.6% above the exact optimum at the fastest time (the
-program of shared options alone: 7.8%) and 0.5% at 1.005 times it (the stepwise descent
-from the program's plan alone: 2.6%), stated 1.7% and 2.1%; at 16 x 64, stated 0.3-1.7%
-over the frontier (the stepwise descent alone: up to 15.7%).
+other used it (the relaxation lets a draining rank speed up a clock step an instruction,
+where a plan pays a stall a step); the plan's time is still proven shortest. Llama 3.1
+70B on a simulated H100, before the merges: at 4 stages x 16 microbatches, 0.6% above the
+exact optimum at the fastest time (the program of shared options alone: 7.8%) and 0.5% at
+1.005 times it (the stepwise descent from the program's plan alone: 2.6%), stated 1.7% and
+2.1%; at 16 x 64, stated 0.3-1.7% over the frontier (the stepwise descent alone: up to
+15.7%), and 0.25-1.06% with the merges.
 """
 
 from __future__ import annotations

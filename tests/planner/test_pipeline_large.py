@@ -254,16 +254,39 @@ def test_best_first_relabels_reach_what_stepwise_relabels_miss():
     dag, options, model, timing, quick = _at_fastest(3, 6, heavy=2)
     limit = timing.cost(quick)[0] * 1.02
     exact = least_energy(dag, options, time_limit_s=limit, model=model).energy_j
-    for best_first, above in ((True, 0.0), (False, 0.03)):
+    for moves, above in (("best_first", 0.0), ("stepwise", 0.03)):
         lowered = timing.cost(descend(timing, quick, lambda cost: cost[1], limit, None,
-                                      best_first))
+                                      moves))
         assert lowered[0] <= limit * (1 + 1e-12)
-        if best_first:
+        if moves == "best_first":
             assert lowered[1] == pytest.approx(exact, rel=1e-9)
         else:
             assert lowered[1] > exact * (1 + above)
     large = least_energy(dag, options, time_limit_s=limit, model=model, exact_up_to=0)
     assert large.energy_j == pytest.approx(exact, rel=1e-9)
+
+
+def test_merges_lower_what_relabels_and_sweeps_leave():
+    """At the fastest time, once neither order of relabels (with their sweeps) lowers the
+    plan further, merging spans of filling and draining instructions into their
+    neighbours' clocks does, never below the exact optimum; the large way's solve, which
+    merges after relabelling, reaches that plan too."""
+    dag, options, model, timing, quick = _at_fastest(4, 6, heavy=3)
+    end = timing.cost(quick)[0]
+
+    def relabelled(plan: list[int]) -> list[int]:
+        return min((descend(timing, plan, lambda cost: cost[1], end, None, moves)
+                    for moves in ("best_first", "stepwise")), key=lambda p: timing.cost(p)[1])
+
+    settled = relabelled(relabelled(quick))
+    assert relabelled(settled) == settled
+    merged = timing.cost(descend(timing, settled, lambda cost: cost[1], end, None, "merge"))
+    assert merged[0] <= end * (1 + 1e-12)
+    assert merged[1] < timing.cost(settled)[1] * (1 - 5e-3)
+    exact = least_energy(dag, options, time_limit_s=end, model=model).energy_j
+    assert merged[1] >= exact * (1 - 1e-9)
+    large = least_energy(dag, options, time_limit_s=end, model=model, exact_up_to=0)
+    assert large.energy_j <= merged[1] * (1 + 1e-9)
 
 
 @pytest.mark.parametrize("dual_gap", [1.0, 0.005])
