@@ -375,30 +375,35 @@ def sweep(timing: Timing, plan: Sequence[int], end_s: float) -> list[int]:
         latest[i] = finish - durations[i]
     moved, ends = list(plan), [0.0] * n
     blocking = timing.model.blocking_power_w
+    switches, none = timing.switches, (0.0, 0.0)  # no pair of one clock: no switch
     for i in timing.topo:
         ready = max((ends[a] for a in timing.cross_preds[i]), default=0.0)
         p, q = timing.prev[i], timing.next[i]
         cap = min((latest[j] for j in timing.cross_succs[i]), default=float("inf"))
-        old_key = timing.key[i][plan[i]]
+        limit = end_s if timing.last[i] else latest[q]
+        next_key = timing.key[q][moved[q]]
+        if p >= 0:
+            prev_key, held_s = timing.key[p][moved[p]], 0.0
+        else:  # the switch round from the rank's last: never longer than planned
+            last = timing.round_from[i]
+            prev_key = timing.key[last][plan[last]]
+            held_s = switches.get((prev_key, timing.key[i][plan[i]]), none)[0]
         choice, price, choice_end = plan[i], None, 0.0
-        for k, key in enumerate(timing.key[i]):
-            begin, extra = ready, 0.0
+        for k, (key, duration, own) in enumerate(zip(timing.key[i], timing.time[i],
+                                                      timing.price[i])):
+            seconds, joules = switches.get((prev_key, key), none)
             if p >= 0:
-                seconds, joules = timing.switch(timing.key[p][moved[p]], key)
                 begin = max(ready, ends[p] + seconds)
-                extra += joules - blocking * seconds
-            else:  # the switch round from the rank's last: never longer than planned
-                last = timing.round_from[i]
-                seconds, joules = timing.switch(timing.key[last][plan[last]], key)
-                if seconds > timing.switch(timing.key[last][plan[last]], old_key)[0]:
-                    continue
-                extra += joules - blocking * seconds
-            finish = begin + timing.time[i][k]
-            seconds, joules = timing.switch(key, timing.key[q][moved[q]])
-            limit = end_s if timing.last[i] else latest[q]
+            elif seconds > held_s:
+                continue
+            else:
+                begin = ready
+            extra = joules - blocking * seconds
+            finish = begin + duration
+            seconds, joules = switches.get((key, next_key), none)
             if finish > min(cap, limit - seconds) * (1 + _TOLERANCE) and k != plan[i]:
                 continue
-            total = timing.price[i][k] + extra + joules - blocking * seconds
+            total = own + extra + joules - blocking * seconds
             if price is None or total < price - _TOLERANCE * abs(price):
                 choice, price, choice_end = k, total, finish
         moved[i], ends[i] = choice, choice_end
