@@ -80,8 +80,8 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import csr_array
+from scipy.optimize import Bounds, LinearConstraint, linprog, milp
+from scipy.sparse import csr_array, vstack
 
 from kareus.errors import KareusError
 from kareus.interrupts import raise_if_interrupted
@@ -92,6 +92,7 @@ from kareus.planner.pipeline_large import (
     EXACT_INSTRUCTIONS,
     GAP,
     LargeParts,
+    Prices,
     RankBound,
     Sharing,
     Weights,
@@ -797,6 +798,11 @@ class _Solver:
         for cols in by_class.values():
             program.row([(c, 1.0) for c in cols], 1.0, 1.0)
         follows = {}
+        self.lifted: list[tuple[int, int, int]] = []
+        """The rows of the precedences between instructions not consecutive on a rank:
+        (row, i, j)."""
+        self.ends: list[int] = []
+        """Each rank's row of finishing by the iteration's end (``dag.orders``'s order)."""
         pairs = [(i, j) for order in dag.orders for i, j in zip(order, order[1:] + order[:1])]
         times = collections.Counter((self.classes[i], self.classes[j]) for i, j in pairs)
         delays: dict[tuple[Hashable, Hashable], list[tuple[int, float]]] = {}
@@ -807,11 +813,14 @@ class _Solver:
                     delays[key] = [] if key[0] == key[1] else self._switch(program, i, j,
                                                                            times[key])
                 end = (self.t_col if j == order[0] else starts[j], 1.0)
+                if j == order[0]:
+                    self.ends.append(len(program.bounds))
                 program.row([end, (starts[i], -1.0), *self._duration(i), *delays[key]], 0.0,
                             math.inf)
                 follows[i] = j
         for i, j in dag.edges:
             if follows[i] != j:
+                self.lifted.append((len(program.bounds), i, j))
                 program.row([(starts[j], 1.0), (starts[i], -1.0), *self._duration(i)], 0.0,
                             math.inf)
         self.constraints = program.constraints()
@@ -886,10 +895,10 @@ class _Solver:
         objective[self.t_col] += weights.time * self.time_unit / self.energy_unit
         return objective, self.energy_unit
 
-    def _run(self, weights: Weights, limit_s: float | None, limit_j: float | None,
-             integral: bool = True) -> tuple[Any, float]:
-        """HiGHS's result for ``weights`` within ``limit_s`` and ``limit_j`` (the energy:
-        one row more), or of its linear relaxation; and the objective's unit."""
+    def _problem(self, weights: Weights, limit_s: float | None, limit_j: float | None
+                 ) -> tuple[np.ndarray, list[LinearConstraint], np.ndarray, float]:
+        """The program for ``weights`` within ``limit_s`` and ``limit_j`` (the energy: one
+        row more): its objective, rows and columns' upper bounds, and the objective's unit."""
         objective, unit = self._objective(weights)
         constraints = [self.constraints]
         if limit_j is not None:
@@ -897,13 +906,44 @@ class _Solver:
                                                 limit_j / self.energy_unit))
         upper = self.upper.copy()
         upper[self.t_col] = math.inf if limit_s is None else limit_s / self.time_unit
+        return objective, constraints, upper, unit
+
+    def _run(self, weights: Weights, limit_s: float | None, limit_j: float | None
+             ) -> tuple[Any, float]:
+        """HiGHS's result for ``weights`` within ``limit_s`` and ``limit_j``, and the
+        objective's unit."""
+        objective, constraints, upper, unit = self._problem(weights, limit_s, limit_j)
         options: dict[str, float] = {"mip_rel_gap": 0.0}
         if self.max_solve_s is not None:
             options["time_limit"] = self.max_solve_s
         return stoppable(functools.partial(
-            milp, objective, integrality=self.integrality if integral else None,
+            milp, objective, integrality=self.integrality,
             bounds=Bounds(np.zeros(len(upper)), upper), constraints=constraints,
             options=options)), unit
+
+    def _relax(self, weights: Weights, limit_s: float | None, limit_j: float | None
+               ) -> tuple[Any, float, Prices | None]:
+        """HiGHS's result for the linear relaxation, the objective's unit, and the
+        relaxation's duals as the prices of the precedences the rank bound lifts
+        (``pipeline_large.Prices``, in the objective's unit a second; None: unsolved)."""
+        objective, constraints, upper, unit = self._problem(weights, limit_s, limit_j)
+        rows = vstack([c.A for c in constraints], format="csr")
+        low = np.concatenate([np.broadcast_to(c.lb, c.A.shape[:1]) for c in constraints])
+        high = np.concatenate([np.broadcast_to(c.ub, c.A.shape[:1]) for c in constraints])
+        equal = low == high
+        least, most = ~equal & np.isfinite(low), ~equal & np.isfinite(high)
+        result = stoppable(functools.partial(
+            linprog, objective, A_ub=vstack([-rows[least], rows[most]]),
+            b_ub=np.concatenate([-low[least], high[most]]), A_eq=rows[equal],
+            b_eq=low[equal], bounds=np.column_stack([np.zeros(len(upper)), upper]),
+            method="highs"))
+        if result.status != 0:
+            return result, unit, None
+        duals = np.zeros(len(low))
+        duals[least] = np.maximum(-result.ineqlin.marginals[: int(least.sum())], 0.0)
+        duals *= unit / self.time_unit
+        return result, unit, Prices({(i, j): float(duals[row]) for row, i, j in self.lifted
+                                     if duals[row] > 0}, [float(duals[row]) for row in self.ends])
 
     def _solve(self, weights: Weights, limit_s: float | None, limit_j: float | None = None
                ) -> PipelinePoint | None:
@@ -965,12 +1005,12 @@ class _Solver:
         found none in its time: of the program of shared options, every instruction at
         its fastest and the plans found before, the best; its gap proven against the
         relaxation without switches and, where that leaves more than ``GAP``, the rank
-        bound."""
+        bound, then the rank bound at the relaxation's prices."""
         parts = self.parts
         if weights.energy == 0 and limit_j is None and (
                 parts.quickest.time_s <= parts.rank_bound.shortest * (1 + 1e-12)):
             return parts.quickest  # no plan is faster
-        result, unit = parts.relaxation._run(weights, limit_s, limit_j, integral=False)
+        result, unit, prices = parts.relaxation._relax(weights, limit_s, limit_j)
         if result.status == 2:
             return None
         if result.status != 0:
@@ -1010,6 +1050,8 @@ class _Solver:
         if gap(value, bound) > GAP and weights == ENERGY and limit_s is not None and (
                 limit_j is None):
             bound = max(bound, parts.rank_bound.energy(limit_s))
+            if gap(value, bound) > GAP and prices is not None:
+                bound = max(bound, parts.rank_bound.energy(limit_s, prices))
         self.known.append(best)  # a plan within these limits is within any looser
         return dataclasses.replace(best, gap=gap(value, bound))
 

@@ -26,26 +26,30 @@ large DAG is planned in steps whose cost grows gently with it:
 3. **A second bound near the fastest time.** Where the relaxation leaves a gap above
    ``GAP``, each rank's least price within the windows every plan meets
    (``planner.rank_dp``), summed: it charges the switches a rank cannot avoid, which the
-   relaxation does not.
+   relaxation does not, but lets every rank take all the slack the others leave. Where
+   that too leaves more than ``GAP``, the same with the precedences between ranks lifted
+   into prices (a Lagrangian relaxation, ``Prices``) at the relaxation's duals: each rank
+   then pays for the slack it takes, as in the relaxation, and for its switches.
 
 Each plan states ``(its value - the best bound) / its value`` as its proven gap. Where the
 gap is large, it is near the fastest time: there the optimum runs a stage's filling and
 draining instructions on other clocks than its steady state, which shared options cannot
-and the descent reaches in part, and the bounds charge each rank its own slack as if no
-other used it (the relaxation lets a draining rank speed up a clock step an instruction,
-where a plan pays a stall a step); the plan's time is still proven shortest. Llama 3.1
+and the descent reaches in part, and the bounds are loose (the relaxation lets a draining
+rank speed up a clock step an instruction, where a plan pays a stall a step; the rank
+bound at prices still lets it, for a fraction of a stall); the plan's time is still proven
+shortest. Llama 3.1
 70B on a simulated H100, before the merges: at 4 stages x 16 microbatches, 0.6% above the
 exact optimum at the fastest time (the program of shared options alone: 7.8%) and 0.5% at
 1.005 times it (the stepwise descent from the program's plan alone: 2.6%), stated 1.7% and
 2.1%; at 16 x 64, stated 0.3-1.7% over the frontier (the stepwise descent alone: up to
-15.7%), and 0.25-1.06% with the merges.
+15.7%), 0.25-1.06% with the merges, and 0.25-0.96% with the priced rank bound.
 """
 
 from __future__ import annotations
 
 import graphlib
 import itertools
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +77,13 @@ def shared_solve_s(instructions: int) -> float:
 CELLS = 40_000
 """Time cells over the limit in the rank bound (rounding loosens it by under a cell an
 instruction: 0.06 ms in a 2.5 s iteration)."""
+
+PRICED_CELLS = 1_250
+"""Time cells over the limit in the rank bound at prices, per instruction of the longest
+rank: the slack rounding gives a rank (under a cell an instruction) is priced there, so
+cells must be finer as ranks grow longer (Llama 3.1 70B at 16 x 64 near the fastest time,
+128 instructions a rank: 132264 J at 40,000 cells, 132336 J at 160,000, 132360 J at
+240,000; 4 s a bound at 160,000 on 2 cores)."""
 
 
 @dataclass(frozen=True)
@@ -140,6 +151,17 @@ def quickest(options: Sequence[FrontierPoint]) -> FrontierPoint:
     return min(options, key=lambda o: (o.time_s, o.effective_energy_j))
 
 
+@dataclass(frozen=True)
+class Prices:
+    """A Lagrangian's prices (J per second, none negative) of the precedences the rank
+    bound lifts: each edge's between instructions not consecutive on a rank (``(i, j)``:
+    ``j`` starts after ``i`` finishes), and each rank's of finishing by the iteration's
+    end (``dag.orders``'s order); the linear relaxation's duals are good ones."""
+
+    edges: Mapping[tuple[int, int], float]
+    ends: Sequence[float]
+
+
 class RankBound:
     """The rank bound of one DAG (module docstring, step 3): each instruction's longest
     path before and after it at its fastest, computed once."""
@@ -162,19 +184,32 @@ class RankBound:
         self.shortest = max(h + f for h, f in zip(self.head, fastest))
         """No plan's iteration is shorter: every instruction at its fastest, no switch."""
 
-    def energy(self, limit_s: float) -> float:
+    def energy(self, limit_s: float, prices: Prices | None = None) -> float:
         """No plan ending by ``limit_s`` takes less energy (``math.inf``: none ends by
         then): each rank's least price within its windows, summed, and the makespan's
-        price at the shortest any plan takes."""
-        cell = limit_s / CELLS
+        price at the shortest any plan takes; with ``prices``, each rank priced too for
+        when its instructions start and finish, and the makespan for what the ends' prices
+        leave of it (a Lagrangian relaxation: a bound whatever the prices)."""
+        n = len(self.options)
+        starts, finishes = [0.0] * n, [0.0] * n
+        if prices is not None:
+            for (i, j), price in prices.edges.items():
+                finishes[i] += price
+                starts[j] -= price
+            for order, price in zip(self.dag.orders, prices.ends):
+                finishes[order[-1]] += price
+        cell = limit_s / (CELLS if prices is None
+                          else PRICED_CELLS * max(map(len, self.dag.orders)))
         total = 0.0
         for order in self.dag.orders:
             total += least_price(RankWindows(
                 [self.options[i] for i in order], [self.head[i] for i in order],
                 [limit_s - self.tail[i] for i in order], self.model.switch_key,
-                self.model.switch, self.model.blocking_power_w), cell)
-        static = self.dag.ranks * self.model.blocking_power_w + self.model.static_power_w
-        return total + static * self.shortest
+                self.model.switch, self.model.blocking_power_w,
+                [starts[i] for i in order], [finishes[i] for i in order]), cell)
+        makespan = (self.dag.ranks * self.model.blocking_power_w + self.model.static_power_w
+                    - (sum(prices.ends) if prices is not None else 0.0))
+        return total + min(makespan * self.shortest, makespan * limit_s)
 
 
 def switch_floor(dag, options: Sequence[Sequence[FrontierPoint]], model) -> float:

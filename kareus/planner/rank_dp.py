@@ -13,9 +13,16 @@ own instructions; unlike the linear relaxation, it charges the switches a rank c
 avoid, which is where the relaxation is weak (near the fastest time, where fast
 instructions on the critical path sit between slower ones).
 
+A rank may also be priced for when its instructions start and finish (``start_price``,
+``finish_price``, J per second later): a Lagrangian relaxation lifts the precedences
+between ranks into such prices (``pipeline_large.RankBound``), and each rank's least price
+within its windows is then its share of a bound whatever prices are given.
+
 Time is counted in cells of ``cell`` seconds, rounded in the plan's favour (durations,
-switches and releases down), so the bound stays a bound; each instruction's state covers
-only the cells between its earliest finish and its deadline.
+switches and releases down; a start priced at its cell's start, and its finish at that
+plus its seconds, less a cell of their prices where they sum below nothing), so the bound
+stays a bound; each instruction's state covers only the cells between its earliest finish
+and its deadline.
 """
 
 from __future__ import annotations
@@ -43,6 +50,10 @@ class RankWindows:
     key: Callable[[Any], Hashable]
     switch: Callable[[Any, Any], tuple[float, float]]
     blocking_power_w: float
+    start_price: Sequence[float] = ()
+    """Each instruction's price of starting a second later (J/s; none given: 0)."""
+    finish_price: Sequence[float] = ()
+    """Each instruction's price of finishing a second later (J/s; none given: 0)."""
 
 
 def least_price(rank: RankWindows, cell: float) -> float:
@@ -62,8 +73,11 @@ def least_price(rank: RankWindows, cell: float) -> float:
     for k, opts in enumerate(rank.options):
         clock = np.array([index[rank.key(o.choice)] for o in opts])
         cells = np.array([math.floor(o.time_s / cell) for o in opts])
+        starts, finishes = (rank.start_price[k] if rank.start_price else 0.0,
+                            rank.finish_price[k] if rank.finish_price else 0.0)
         price = np.array([o.effective_energy_j - rank.blocking_power_w * o.time_s
-                          for o in opts])
+                          + finishes * o.time_s for o in opts])
+        price += min(starts + finishes, 0.0) * cell  # both priced at the start's cell
         release = math.floor(rank.release[k] / cell)
         lo, hi = release + int(cells.min()), math.ceil(rank.deadline[k] / cell)
         if hi < lo:
@@ -72,30 +86,35 @@ def least_price(rank: RankWindows, cell: float) -> float:
         if prev is None:
             values = np.where(finish[None] >= release + cells[:, None], price[:, None], np.inf)
         else:
-            ready = _arrive(prev, pairs)
+            ready = _arrive(prev, pairs, max(1, hi - int(cells.min()) - lo_prev + 1))
             src = np.concatenate([np.full((len(keys), 1), np.inf), ready], axis=1)
             at = np.clip(finish[None] - cells[:, None] - lo_prev, -1, ready.shape[1] - 1) + 1
             values = src[clock[:, None], at] + price[:, None]
             values[finish[None] < release + cells[:, None]] = np.inf
+        if starts or finishes:
+            values += (starts + finishes) * cell * (finish[None] - cells[:, None])
         state = np.full((len(keys), finish.size), np.inf)
         if len(set(clock.tolist())) == len(clock):  # an option a clock: no two to compare
             state[clock] = values
         else:
-            np.minimum.at(state, clock, values)
+            by_clock = np.argsort(clock, kind="stable")
+            first = np.flatnonzero(np.diff(clock[by_clock], prepend=-1))
+            state[clock[by_clock[first]]] = np.minimum.reduceat(values[by_clock], first, axis=0)
         lo_prev, prev = lo, np.minimum.accumulate(state, axis=1)
     cheapest = min((price for _, price in pairs.values()), default=0.0)
     return float(prev[:, -1].min()) + min(cheapest, 0.0)
 
 
-def _arrive(state: np.ndarray, pairs: dict[tuple[int, int], tuple[int, float]]
-            ) -> np.ndarray:
-    """The least price to be at each clock by each cell: staying at it, or switching to it
-    from another (its cells later, its price more); past ``state``'s last cell by the
-    longest switch (finished by its last cell is finished by any later)."""
-    longest = max((cells for cells, _ in pairs.values()), default=0)
-    state = np.concatenate([state, np.repeat(state[:, -1:], longest, axis=1)], axis=1)
+def _arrive(state: np.ndarray, pairs: dict[tuple[int, int], tuple[int, float]],
+            width: int) -> np.ndarray:
+    """The least price to be at each clock by each of ``width`` cells (as many as the next
+    instruction looks up): staying at it, or switching to it from another (its cells later,
+    its price more); past ``state``'s last cell, finished by it is finished by any later."""
+    if width > state.shape[1]:
+        state = np.concatenate([state, np.repeat(state[:, -1:], width - state.shape[1], axis=1)],
+                               axis=1)
+    state = state[:, :width]
     out = state.copy()
-    width = state.shape[1]
     prices = set(pairs.values())
     if len(prices) == 1 and len(state) > 1:  # one price whatever the clocks: the best other
         ((cells, price),) = prices

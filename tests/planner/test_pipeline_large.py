@@ -1,7 +1,8 @@
 """Pipelines too large to solve exactly (``planner.pipeline_large``): the plans are within
 their limits, and every gap they state holds against brute force on random small
 pipelines planned the large way (``exact_up_to=0``); the rank bound never exceeds the
-optimum; plans found before are weighed; a DAG above the threshold takes this path."""
+optimum, at any prices; plans found before are weighed; a DAG above the threshold takes
+this path."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from kareus.planner.compose import FrontierPoint
 from kareus.planner.iteration import energy_model
 from kareus.planner.methods import InstructionChoice
 from kareus.planner.pipeline import (
+    ENERGY,
     EnergyModel,
     PipelinePoint,
     PipelineSolveError,
@@ -30,7 +32,7 @@ from kareus.planner.pipeline import (
     side_by_side,
 )
 from kareus.planner.pipeline_descent import Timing, descend, sweep
-from kareus.planner.pipeline_large import EXACT_INSTRUCTIONS, GAP, RankBound, hull
+from kareus.planner.pipeline_large import EXACT_INSTRUCTIONS, GAP, Prices, RankBound, hull
 
 P = FrontierPoint
 
@@ -68,9 +70,17 @@ def test_the_rank_bound_never_exceeds_the_optimum(seed):
     per = [_prune(options[i.stage, i.kind], model) for i in dag.instructions]
     bound = RankBound(dag, per, model)
     assert bound.shortest <= makespan.min() * (1 + 1e-9)
+    relaxation = _Solver(dag, options, model, None, exact_up_to=0).parts.relaxation
     for limit in (makespan.min(), rng.uniform(makespan.min(), makespan.max()),
                   makespan.max()):
-        assert bound.energy(limit) <= _least(costs, limit) * (1 + 1e-9)
+        optimum = _least(costs, limit) * (1 + 1e-9)
+        assert bound.energy(limit) <= optimum
+        # a bound at any prices: the relaxation's duals, and random ones
+        _, _, duals = relaxation._relax(ENERGY, limit, None)
+        assert duals is not None and bound.energy(limit, duals) <= optimum
+        guessed = Prices({edge: rng.uniform(0, 300) for edge in dag.edges},
+                         [rng.uniform(0, 300) for _ in dag.orders])
+        assert bound.energy(limit, guessed) <= optimum
     assert bound.energy(bound.shortest * 0.9) == np.inf  # nothing ends before the shortest
 
 
@@ -106,6 +116,24 @@ def test_a_rank_bound_charges_the_switches_the_relaxation_misses():
     ranks = RankBound(dag, per, model).energy(exact.time_s)
     assert relaxed.energy_j <= ranks <= exact.energy_j * (1 + 1e-9)
     assert ranks > relaxed.energy_j * (1 + 1e-3)
+
+
+def test_the_relaxations_prices_lift_the_rank_bound_above_both():
+    """Priced by the relaxation's duals for the precedences between ranks, each rank pays
+    for the slack it takes from the others and for the switches it cannot avoid: a little
+    off the fastest time, where the rank bound alone lets every rank use all the slack, the
+    priced bound is above the relaxation and the rank bound, and below the optimum."""
+    dag = one_f_one_b(4, 6)
+    options = _stage_options(4, heavy=1)
+    model = energy_model(static_power_w=60.0, clock_switch_s=0.02, gpus=4)
+    limit = 1.03 * fastest(dag, options, model=model).time_s
+    exact = least_energy(dag, options, time_limit_s=limit, model=model)
+    solver = _Solver(dag, options, model, None, exact_up_to=0)
+    result, unit, duals = solver.parts.relaxation._relax(ENERGY, limit, None)
+    bound = solver.parts.rank_bound
+    priced = bound.energy(limit, duals)
+    assert max(result.fun * unit, bound.energy(limit)) * 1.01 < priced
+    assert priced <= exact.energy_j * (1 + 1e-9)
 
 
 def test_hull_keeps_the_lower_convex_hull_of_time_and_price():
