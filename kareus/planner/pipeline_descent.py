@@ -236,7 +236,7 @@ class _Descent:
         return False
 
 
-def _split(dag, order: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
+def rank_phases(dag, order: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
     """A rank's filling (before its first backward), steady (the rest) and draining
     (after its last forward) instructions."""
     kinds = [dag.instructions[i].kind for i in order]
@@ -251,7 +251,7 @@ def phases(dag) -> list[list[int]]:
     not empty)."""
     groups = []
     for order in dag.orders:
-        groups += [g for g in (*_split(dag, order), list(order)) if g]
+        groups += [g for g in (*rank_phases(dag, order), list(order)) if g]
     return groups
 
 
@@ -261,7 +261,7 @@ def spans(dag) -> list[tuple[list[int], int]]:
     steady state's first or last, or the rest of the phase's)."""
     out: list[tuple[list[int], int]] = []
     for order in dag.orders:
-        fill, steady, drain = _split(dag, order)
+        fill, steady, drain = rank_phases(dag, order)
         inner = [(fill[j:], (steady or drain)[0]) for j in range(1, len(fill)) if steady or drain]
         inner += [(drain[:j], (steady or fill)[-1]) for j in range(1, len(drain))
                   if steady or fill]

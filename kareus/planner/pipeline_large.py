@@ -7,17 +7,21 @@ stages x 64 microbatches has 2048, and the full program's relaxation alone takes
 there (its switch rows). A
 large DAG is planned in steps whose cost grows gently with it:
 
-1. **The plan: shared options.** The program with each (stage, kind)'s instructions
-   sharing one option (``by_kind``): a few hundred binaries whatever the microbatches,
-   every switch priced, solved by HiGHS within ``shared_solve_s``: a stage off the
-   critical path runs slower throughout. The plan of every instruction at its fastest is
-   a candidate too, so a plan is found wherever one is fast enough. The best candidate is
-   then lowered by ``pipeline_descent`` (a rank's phases relabelled to one clock, each
-   instruction moved into its slack), every move checked by the exact cost, with its
-   relabels tried in two orders; every instruction at its fastest is lowered too, best
-   first (where the program's plan has slowed whole stages, it is often the better
-   start). The best of those descents then merges spans of filling and draining
-   instructions into their neighbours' clocks.
+1. **The plan: shared options.** The program with each rank's steady state's (stage, kind)
+   instructions sharing one option in each of two runs of microbatches, and its filling
+   and draining instructions one each (``by_phase``): its binaries grow with the stages,
+   not the microbatches, every switch priced, solved by HiGHS within ``shared_solve_s``: a
+   stage off the critical path runs slower throughout, and a rank's filling and draining
+   take the clocks its bubbles allow (Llama 3.1 70B at 4 stages x 8 microbatches, at 4
+   points from the fastest time: the large plan 0-1.75% above the exact solve's, 60 s a
+   solve, where with one option a (stage, kind) it was 0.76-3.10%). The plan of every
+   instruction at its fastest is a candidate too, so a plan is found wherever one is fast
+   enough. The best candidate is then lowered by ``pipeline_descent`` (a rank's phases
+   relabelled to one clock, each instruction moved into its slack), every move checked by
+   the exact cost, with its relabels tried in two orders; every instruction at its fastest
+   is lowered too, best first (where the program's plan has slowed whole stages, it is
+   often the better start). The best of those descents then merges spans of filling and
+   draining instructions into their neighbours' clocks.
 2. **The bound: the relaxation without switches.** The full program's linear relaxation
    with every clock switch free and only each (stage, kind)'s lower convex hull of
    options (``hull``: the only ones a relaxation mixes): about a second for 2048
@@ -33,16 +37,16 @@ large DAG is planned in steps whose cost grows gently with it:
 
 Each plan states ``(its value - the best bound) / its value`` as its proven gap. Where the
 gap is large, it is near the fastest time: there the optimum runs a stage's filling and
-draining instructions on other clocks than its steady state, which shared options cannot
-and the descent reaches in part, and the bounds are loose (the relaxation lets a draining
-rank speed up a clock step an instruction, where a plan pays a stall a step; the rank
-bound at prices still lets it, for a fraction of a stall); the plan's time is still proven
-shortest. Llama 3.1
-70B on a simulated H100, before the merges: at 4 stages x 16 microbatches, 0.6% above the
-exact optimum at the fastest time (the program of shared options alone: 7.8%) and 0.5% at
-1.005 times it (the stepwise descent from the program's plan alone: 2.6%), stated 1.7% and
-2.1%; at 16 x 64, stated 0.3-1.7% over the frontier (the stepwise descent alone: up to
-15.7%), 0.25-1.06% with the merges, and 0.25-0.96% with the priced rank bound.
+draining instructions on other clocks than its steady state, which the program of shared
+options reaches within its time only on small DAGs and the descent in part, and the bounds
+are loose (the relaxation lets a draining rank speed up a clock step an instruction, where
+a plan pays a stall a step; the rank bound at prices still lets it, for a fraction of a
+stall); the plan's time is still proven shortest. Llama 3.1 70B on a simulated H100,
+before the merges: at 4 stages x 16 microbatches, 0.6% above the exact optimum at the
+fastest time (the program of shared options alone: 7.8%) and 0.5% at 1.005 times it (the
+stepwise descent from the program's plan alone: 2.6%), stated 1.7% and 2.1%; at 16 x 64,
+stated 0.3-1.7% over the frontier (the stepwise descent alone: up to 15.7%), 0.25-1.06%
+with the merges, and 0.25-0.96% with the priced rank bound.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kareus.planner.compose import FrontierPoint
-from kareus.planner.pipeline_descent import Timing
+from kareus.planner.pipeline_descent import Timing, rank_phases
 from kareus.planner.rank_dp import RankWindows, least_price
 
 EXACT_INSTRUCTIONS = 256
@@ -68,6 +72,11 @@ GAP = 0.01
 SHARED_SOLVE_S = 2.0
 """The most seconds HiGHS spends on one program of shared options per 2048 instructions
 (its starts and precedence rows grow with the DAG; never less than this)."""
+
+
+STEADY_RUNS = 2
+"""The runs of microbatches a rank's steady state is cut into in the program of shared
+options, each run's (stage, kind) sharing one option (``by_phase``)."""
 
 
 def shared_solve_s(instructions: int) -> float:
@@ -122,10 +131,19 @@ class LargeParts:
     timing: Timing
 
 
-def by_kind(dag, options: Sequence[Sequence[FrontierPoint]]) -> Sharing:
-    """Each (stage, kind)'s instructions share one option, any of theirs."""
-    return Sharing(tuple((i.stage, i.kind) for i in dag.instructions),
-                   tuple(tuple(opts) for opts in options))
+def by_phase(dag, options: Sequence[Sequence[FrontierPoint]]) -> Sharing:
+    """Each rank's filling and draining instructions take their own options (they wait on
+    other ranks, so their best clocks differ along the phase); its steady state's (stage,
+    kind) instructions share one in each of ``STEADY_RUNS`` runs of microbatches (where the
+    limit falls between two clocks, a run at each, one switch between them)."""
+    classes: list[Hashable] = [(i.stage, i.kind) for i in dag.instructions]
+    for order in dag.orders:
+        fill, steady, drain = rank_phases(dag, order)
+        for i in (*fill, *drain):
+            classes[i] = i
+        for n, i in enumerate(steady):
+            classes[i] = (*classes[i], n * STEADY_RUNS // len(steady))
+    return Sharing(tuple(classes), tuple(tuple(opts) for opts in options))
 
 
 def hull(options: Sequence[FrontierPoint], blocking_power_w: float) -> list[FrontierPoint]:
