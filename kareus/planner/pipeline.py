@@ -96,10 +96,10 @@ from kareus.planner.pipeline_large import (
     RankBound,
     Sharing,
     Weights,
-    by_phase,
     gap,
     hull,
     quickest,
+    shared_program,
     shared_solve_s,
     switch_floor,
 )
@@ -772,7 +772,7 @@ class _Solver:
         shared = _Solver(self.dag, self.given, model,
                          min(shared_solve_s(len(self.options)), self.max_solve_s or math.inf),
                          True,
-                         sharing=by_phase(self.dag, self.options))
+                         sharing=shared_program(self.dag, self.options))
         return LargeParts(relaxation, shared,
                           _evaluate(self.dag, model, list(map(quickest, self.options))),
                           RankBound(self.dag, self.options, model),

@@ -37,9 +37,10 @@ from kareus.planner.pipeline_large import (
     GAP,
     Prices,
     RankBound,
-    Sharing,
+    by_kind,
     by_phase,
     hull,
+    shared_program,
 )
 
 P = FrontierPoint
@@ -159,11 +160,16 @@ def test_the_shared_program_gives_filling_and_draining_their_own_options():
     fill, steady, drain = rank_phases(dag, dag.orders[1])
     assert len({sharing.classes[i] for i in (*fill, *drain)}) == len(fill) + len(drain)
     assert len({sharing.classes[i] for i in steady}) == 2 * 2  # two runs, two kinds
-    by_kind = Sharing(tuple((i.stage, i.kind) for i in dag.instructions), per)
     found = {name: _Solver(dag, options, model, None, True, sharing=shared)._solve(
-        ENERGY, limit, None).energy_j for name, shared in (("phase", sharing), ("kind", by_kind))}
+        ENERGY, limit, None).energy_j
+        for name, shared in (("phase", sharing), ("kind", by_kind(dag, per)))}
     assert found["phase"] == pytest.approx(exact, rel=1e-9)
     assert found["kind"] > exact * 1.1
+    for stages, program in ((4, by_phase), (8, by_kind)):  # deeper: one a (stage, kind)
+        deep = one_f_one_b(stages, 8)
+        per = tuple(tuple(_prune(_stage_options(stages, heavy=3)[i.stage, i.kind], model))
+                    for i in deep.instructions)
+        assert shared_program(deep, per) == program(deep, per)
 
 
 def test_hull_keeps_the_lower_convex_hull_of_time_and_price():
