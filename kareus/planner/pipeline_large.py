@@ -9,19 +9,20 @@ large DAG is planned in steps whose cost grows gently with it:
 
 1. **The plan: shared options.** The program with each rank's steady state's (stage, kind)
    instructions sharing one option in each of two runs of microbatches, and its filling
-   and draining instructions one each (``by_phase``): its binaries grow with the stages,
-   not the microbatches, every switch priced, solved by HiGHS within ``shared_solve_s``: a
-   stage off the critical path runs slower throughout, and a rank's filling and draining
-   take the clocks its bubbles allow (Llama 3.1 70B at 4 stages x 8 microbatches, at 4
-   points from the fastest time: the large plan 0-1.75% above the exact solve's, 60 s a
-   solve, where with one option a (stage, kind) it was 0.76-3.10%). The plan of every
-   instruction at its fastest is a candidate too, so a plan is found wherever one is fast
-   enough. The best candidate is then lowered by ``pipeline_descent`` (a rank's phases
-   relabelled to one clock, each instruction moved into its slack), every move checked by
-   the exact cost, with its relabels tried in two orders; every instruction at its fastest
-   is lowered too, best first (where the program's plan has slowed whole stages, it is
-   often the better start). The best of those descents then merges spans of filling and
-   draining instructions into their neighbours' clocks.
+   and draining instructions one each (``by_phase``, up to ``PHASE_STAGES`` stages; one
+   option a (stage, kind) beyond, ``by_kind``): its binaries grow with the stages, not the
+   microbatches, every switch priced, solved by HiGHS within ``shared_solve_s``: a stage
+   off the critical path runs slower throughout, and a rank's filling and draining take
+   the clocks its bubbles allow (Llama 3.1 70B at 4 stages x 8 microbatches, at 4 points
+   from the fastest time: the large plan 0-1.75% above the exact solve's, 60 s a solve,
+   where with one option a (stage, kind) it was 0.76-3.10%). The plan of every instruction
+   at its fastest is a candidate too, so a plan is found wherever one is fast enough. The
+   best candidate is then lowered by ``pipeline_descent`` (a rank's phases relabelled to
+   one clock, each instruction moved into its slack), every move checked by the exact
+   cost, with its relabels tried in two orders; every instruction at its fastest is
+   lowered too, best first (where the program's plan has slowed whole stages, it is often
+   the better start). The best of those descents then merges spans of filling and draining
+   instructions into their neighbours' clocks.
 2. **The bound: the relaxation without switches.** The full program's linear relaxation
    with every clock switch free and only each (stage, kind)'s lower convex hull of
    options (``hull``: the only ones a relaxation mixes): about a second for 2048
@@ -81,7 +82,7 @@ options, each run's (stage, kind) sharing one option (``by_phase``)."""
 
 PHASE_STAGES = 4
 """The most stages whose program of shared options gives the filling and draining their
-own options (``by_phase``; a pipeline has stages x (stages + 1) of them): deeper ones share
+own options (``by_phase``): deeper ones share
 one option a (stage, kind) (``by_kind``). On Llama 3.1 70B (simulated H100) the larger
 program lowered the largest stated gap at 2 x 128 from 3.2% to 2.1% and 4 x 8's from 5.2%
 to 3.1%, but at 8 x 32, 8 x 128, 16 x 16, 16 x 64 and 32 x 32 HiGHS found no better plan
