@@ -5,16 +5,17 @@ microbatch of 1 sequence, the Megatron-LM layout), its stages' kareus instructio
 at every search clock, and the 1F1B DAG of PP stages x M microbatches for PP in 2..32 and
 M in 8..128 (1F1B needs M >= PP). Per (PP, M) the kareus frontier is planned as ``kareus
 plan`` plans it (10 points, at most 20 s of HiGHS a solve): exactly up to
-``pipeline_large.EXACT_INSTRUCTIONS`` instructions, else by the large-DAG planner (the
+``pipeline_large.EXACT_INSTRUCTIONS`` instructions (clocks a plan hardly gains by merged,
+``planner.clock_merge``, their loss in the gap), else by the large-DAG planner (the
 program of shared options, its gap proven against the relaxation without switches and the
 rank bound). The table: instructions, the method, the seconds, the largest and the median
 stated gap over the frontier's points.
 
 Then, on a DAG small enough for the exact solve (PP2 x 8, at most ``EXACT_SOLVE_S`` a
-solve, its own proven gap said), the large-DAG planner is run on it too (``exact_up_to``
-0), at each point of the exact frontier's own time: its least energy against the exact
-one (the true gap, where the exact point is proven), and the gap it stated (which must be
-at least the true one).
+solve, its own proven gap said, every clock weighed: none merged), the large-DAG planner
+is run on it too (``exact_up_to`` 0), at each point of the exact frontier's own time: its
+least energy against the exact one (the true gap, where the exact point is proven), and
+the gap it stated (which must be at least the true one).
 
     python benchmarks/pipeline_scaling.py [--out-dir benchmarks/results] [--only 32x128]
 
@@ -61,13 +62,13 @@ def options_at(pp: int) -> tuple[dict, pipeline.EnergyModel]:
 
 
 def frontier(pp: int, m: int, options, model, exact_instructions: int = EXACT_INSTRUCTIONS,
-             max_solve_s: float | None = MAX_SOLVE_S):
+             max_solve_s: float | None = MAX_SOLVE_S, merge_loss: float | None = None):
     dag = pipeline.one_f_one_b(pp, m)
     start = time.perf_counter()
     points = pipeline.pipeline_frontier(dag, options, model=model, points=10,
                                         max_solve_s=max_solve_s,
                                         best_found=max_solve_s is not None,
-                                        exact_up_to=exact_instructions)
+                                        exact_up_to=exact_instructions, merge_loss=merge_loss)
     return points, time.perf_counter() - start
 
 
@@ -109,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
             for p, m in EXACT:
                 if p != pp:
                     continue
-                exact, exact_s = frontier(pp, m, options, model, max_solve_s=EXACT_SOLVE_S)
+                exact, exact_s = frontier(pp, m, options, model, max_solve_s=EXACT_SOLVE_S,
+                                          merge_loss=0.0)  # every clock weighed
                 dag = pipeline.one_f_one_b(pp, m)
                 start = time.perf_counter()
                 large = [pipeline.least_energy(dag, options, time_limit_s=q.time_s,

@@ -23,6 +23,11 @@ def test_sigint_mid_plan_ends_at_once_with_one_line_and_no_file(tmp_path, after_
             f"from kareus.cli import console; console({argv!r})")
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
+    store, started = tmp_path / "store", time.monotonic()
+    # ``after_s`` into the plan, counted from its store's opening: a signal during the
+    # imports before it (seconds on a loaded machine) ends Python, before kareus runs
+    while not store.exists() and child.poll() is None and time.monotonic() - started < 120:
+        time.sleep(0.05)
     time.sleep(after_s)
     assert child.poll() is None, "the plan ended before the signal"
     sent = time.perf_counter()
