@@ -55,7 +55,7 @@ def frontier_table(result: Mapping[str, Any]) -> Table:
         table.add_column(column, justify="left" if column == "method" else "right")
 
     def cells(p: Mapping[str, float]) -> tuple[str, ...]:
-        within = f"{p.get('gap', 0.0):.1%}" if p.get("gap", 0.0) > 0 else "optimal"
+        within = f"{p.get('gap', 0.0):.2%}" if p.get("gap", 0.0) > 0 else "optimal"
         return (f"{p['time_s'] * 1e3:.4g}", f"{p['energy_j']:.4g}",
                 f"{p['time_s'] / base['time_s']:.3f}x", f"{p['energy_j'] / base['energy_j']:.3f}x",
                 *([within] if gaps else []))

@@ -91,7 +91,9 @@ def merge_clocks(options: Mapping[Key, Sequence[FrontierPoint]], counts: Mapping
     def key_loss(stand_in: Mapping[FrontierPoint, FrontierPoint]) -> float:
         return max(0.0, *(price(s) - price(o) for o, s in stand_in.items()))
 
-    total = 0.0
+    def total() -> float:
+        return sum(counts[key] * lost for key, lost in loss.items())
+
     while True:
         by_clock: dict[Key, dict[Hashable, list[FrontierPoint]]] = {}
         for key, stand_in in held.items():
@@ -107,11 +109,10 @@ def merge_clocks(options: Mapping[Key, Sequence[FrontierPoint]], counts: Mapping
                         for key, stand_in in change.items())
             if best is None or added < best[0]:
                 best = (added, change)
-        if best is None or total + best[0] > budget_j:
+        if best is None or total() + best[0] > budget_j:
             break
-        total += best[0]
         for key, stand_in in best[1].items():
             held[key], loss[key] = stand_in, key_loss(stand_in)
-    kept = {key: tuple(o for o in options[key] if o in set(stand_in.values()))
-            for key, stand_in in held.items()}
-    return Merged(kept, total)
+    kept = {key: tuple(o for o in options[key] if o in left)
+            for key, left in ((key, set(stand_in.values())) for key, stand_in in held.items())}
+    return Merged(kept, total())
